@@ -1,0 +1,381 @@
+"""The core domain: jobs, ranks, events, restart cycles, faults, checkpoints, commands, audit.
+
+Stored columns are facts (times, steps, phases) plus denormalised deadlines (``Rank.stale_at``,
+``Rank.stall_at``) that make "is it overdue" one indexed query. Health is computed from facts and
+``now`` by methods with no I/O.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+from datetime import datetime, timedelta
+
+from django.conf import settings
+from django.db import models
+from django.utils import timezone
+
+from controlplane.jobs.spec import JobSpec
+from trainer.wire import CheckpointState, CommandKind, FaultClass, Layer, Phase
+
+TOKEN_PREFIX = "ubk_"
+
+
+def hash_token(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+class JobStatus(models.TextChoices):
+    PENDING = "pending"
+    LAUNCHING = "launching"
+    RUNNING = "running"
+    RECOVERING = "recovering"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    STOPPED = "stopped"
+
+
+ACTIVE_STATUSES = (JobStatus.PENDING, JobStatus.LAUNCHING, JobStatus.RUNNING, JobStatus.RECOVERING)
+FINAL_STATUSES = (JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.STOPPED)
+
+
+class JobQuerySet(models.QuerySet):
+    def active(self):
+        return self.filter(status__in=ACTIVE_STATUSES)
+
+
+class Job(models.Model):
+    name = models.CharField(max_length=100)
+    spec = models.JSONField()
+    backend = models.CharField(max_length=20, default="local")
+    status = models.CharField(max_length=20, choices=JobStatus.choices, default=JobStatus.PENDING)
+    status_reason = models.CharField(max_length=500, blank=True)
+    status_changed_at = models.DateTimeField(default=timezone.now)
+    token_hash = models.CharField(max_length=64, editable=False)
+    created_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL)
+    created_at = models.DateTimeField(default=timezone.now)
+    started_at = models.DateTimeField(null=True, blank=True)
+    first_step_at = models.DateTimeField(null=True, blank=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+    # Progress facts, maintained by ingest.
+    last_step = models.IntegerField(default=0)
+    max_step = models.IntegerField(default=0)
+    last_progress_at = models.DateTimeField(null=True, blank=True)
+    # Job-level attempts (new processes or pods); 0 is the first launch.
+    attempt = models.IntegerField(default=0)
+    # What the launcher needs to find its processes or objects again (pids, log path, k8s names).
+    launcher_state = models.JSONField(default=dict, blank=True)
+    # Notifications, per job.
+    notify_webhook_url = models.URLField(blank=True)
+    notify_email = models.EmailField(blank=True)
+
+    objects = JobQuerySet.as_manager()
+
+    class Meta:
+        indexes = [models.Index(fields=["status"])]
+        ordering = ["-id"]
+
+    def __str__(self) -> str:
+        return f"#{self.pk} {self.name}"
+
+    @property
+    def job_spec(self) -> JobSpec:
+        return JobSpec.from_dict(self.spec)
+
+    @property
+    def world_size(self) -> int:
+        return int(self.spec.get("nodes", 1)) * int(self.spec.get("procs_per_node", 1))
+
+    @property
+    def is_active(self) -> bool:
+        return self.status in ACTIVE_STATUSES
+
+    def issue_token(self) -> str:
+        """Make a new ingest token; only its hash is stored. Returns the token (show it once)."""
+        token = TOKEN_PREFIX + secrets.token_urlsafe(32)
+        self.token_hash = hash_token(token)
+        return token
+
+    def token_matches(self, token: str) -> bool:
+        return hmac.compare_digest(self.token_hash, hash_token(token))
+
+    def goodput(self, now: datetime | None = None) -> dict[str, float]:
+        from controlplane.jobs.goodput import compute_goodput
+
+        return compute_goodput(self, now or timezone.now())
+
+
+class RankQuerySet(models.QuerySet):
+    def overdue(self, now: datetime):
+        """Ranks past their heartbeat deadline and not yet marked lost."""
+        return self.filter(stale_at__lt=now, lost_at__isnull=True, job__status__in=ACTIVE_STATUSES)
+
+    def stalled(self, now: datetime):
+        return self.filter(stall_at__lt=now, stalled_at__isnull=True, lost_at__isnull=True,
+                           job__status__in=ACTIVE_STATUSES)
+
+
+class RankHealth(models.TextChoices):
+    OK = "ok"
+    LATE = "late"
+    LOST = "lost"
+    STALLED = "stalled"
+    STOPPED = "stopped"
+
+
+class Rank(models.Model):
+    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="ranks")
+    rank = models.IntegerField()
+    node = models.CharField(max_length=253, blank=True)
+    pid = models.IntegerField(null=True, blank=True)
+    phase = models.CharField(max_length=20, choices=[(p.value, p.value) for p in Phase], default=Phase.INIT)
+    last_heartbeat_at = models.DateTimeField(null=True, blank=True)
+    last_step = models.IntegerField(default=0)
+    step_changed_at = models.DateTimeField(null=True, blank=True)
+    loss = models.FloatField(null=True, blank=True)
+    step_time_s = models.FloatField(null=True, blank=True)
+    tokens_per_s = models.FloatField(null=True, blank=True)
+    # Deadlines (denormalised so the watchdog is one indexed query).
+    stale_at = models.DateTimeField(null=True, blank=True)
+    stall_at = models.DateTimeField(null=True, blank=True)
+    # Claims made by the watchdog; cleared by the next heartbeat that shows life / progress.
+    lost_at = models.DateTimeField(null=True, blank=True)
+    stalled_at = models.DateTimeField(null=True, blank=True)
+
+    objects = RankQuerySet.as_manager()
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["job", "rank"], name="uniq_rank_per_job")]
+        indexes = [
+            models.Index(fields=["stale_at"], name="rank_stale_open", condition=models.Q(lost_at__isnull=True)),
+            models.Index(fields=["stall_at"], name="rank_stall_open", condition=models.Q(stalled_at__isnull=True)),
+        ]
+        ordering = ["job", "rank"]
+
+    def __str__(self) -> str:
+        return f"job {self.job_id} rank {self.rank}"
+
+    def health_at(self, now: datetime) -> str:
+        if self.phase == Phase.STOPPED:
+            return RankHealth.STOPPED
+        if self.lost_at or (self.stale_at and self.stale_at < now):
+            return RankHealth.LOST
+        if self.stalled_at or (self.stall_at and self.stall_at < now):
+            return RankHealth.STALLED
+        if self.last_heartbeat_at and self.stale_at:
+            # Late: more than half-way to the deadline.
+            if now - self.last_heartbeat_at > (self.stale_at - self.last_heartbeat_at) / 2:
+                return RankHealth.LATE
+        return RankHealth.OK
+
+    def heartbeat_age_s(self, now: datetime) -> float | None:
+        return (now - self.last_heartbeat_at).total_seconds() if self.last_heartbeat_at else None
+
+
+def deadline_for(phase: str, at: datetime, spec: dict) -> datetime:
+    """Phase-aware heartbeat deadline: checkpoint phases get the checkpoint timeout."""
+    if phase in (Phase.CHECKPOINT_SAVE, Phase.CHECKPOINT_LOAD, Phase.INIT, Phase.RESTARTING):
+        timeout = float(spec.get("checkpoint_timeout_s", 300.0))
+    else:
+        timeout = float(spec.get("step_timeout_s", 30.0))
+    return at + timedelta(seconds=timeout)
+
+
+class Event(models.Model):
+    """Every accepted event, as sent (the raw facts). Unique per (job, event_id): retries are no-ops."""
+
+    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="events")
+    event_id = models.CharField(max_length=64)
+    kind = models.CharField(max_length=20)
+    rank = models.IntegerField(null=True, blank=True)
+    at = models.DateTimeField()
+    received_at = models.DateTimeField(default=timezone.now)
+    source = models.CharField(max_length=128, blank=True)
+    data = models.JSONField(default=dict)
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["job", "event_id"], name="uniq_event_per_job")]
+        indexes = [models.Index(fields=["job", "at"]), models.Index(fields=["job", "id"])]
+        ordering = ["at", "id"]
+
+
+class RestartCycle(models.Model):
+    """One recovery: from the fault to the first completed step after it, handled by one layer."""
+
+    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="cycles")
+    key = models.CharField(max_length=64)
+    layer = models.CharField(max_length=20, choices=[(x.value, x.value) for x in Layer], default=Layer.NONE)
+    reason = models.CharField(max_length=200, blank=True)
+    fault_at = models.DateTimeField(null=True, blank=True)
+    detected_at = models.DateTimeField(null=True, blank=True)
+    aborted_at = models.DateTimeField(null=True, blank=True)
+    restarted_at = models.DateTimeField(null=True, blank=True)
+    checkpoint_loaded_at = models.DateTimeField(null=True, blank=True)
+    first_step_at = models.DateTimeField(null=True, blank=True)
+    resumed_from_step = models.IntegerField(null=True, blank=True)
+    step_at_fault = models.IntegerField(null=True, blank=True)
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["job", "key"], name="uniq_cycle_per_job")]
+        ordering = ["job", "fault_at", "id"]
+
+    def __str__(self) -> str:
+        return f"cycle {self.key} ({self.layer})"
+
+    @property
+    def start_at(self) -> datetime | None:
+        return self.fault_at or self.detected_at or self.aborted_at or self.restarted_at
+
+    @property
+    def recovery_s(self) -> float | None:
+        if self.first_step_at and self.start_at:
+            return max(0.0, (self.first_step_at - self.start_at).total_seconds())
+        return None
+
+    @property
+    def detection_s(self) -> float | None:
+        if self.detected_at and self.fault_at:
+            return max(0.0, (self.detected_at - self.fault_at).total_seconds())
+        return None
+
+    @property
+    def lost_steps(self) -> int | None:
+        if self.step_at_fault is not None and self.resumed_from_step is not None:
+            return max(0, self.step_at_fault - self.resumed_from_step)
+        return None
+
+    def durations(self) -> dict[str, float | None]:
+        """Seconds spent in each phase of the cycle: detect, abort, restart, reload, first step."""
+        marks = [self.fault_at, self.detected_at, self.aborted_at, self.restarted_at,
+                 self.checkpoint_loaded_at, self.first_step_at]
+        names = ["detect", "abort", "restart", "reload", "first_step"]
+        out: dict[str, float | None] = {}
+        for name, a, b in zip(names, marks, marks[1:], strict=False):
+            out[name] = max(0.0, (b - a).total_seconds()) if a and b else None
+        return out
+
+
+class Fault(models.Model):
+    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="faults")
+    cycle = models.ForeignKey(RestartCycle, null=True, blank=True, on_delete=models.SET_NULL, related_name="faults")
+    fault_class = models.CharField(max_length=20, choices=[(f.value, f.value) for f in FaultClass])
+    rank = models.IntegerField(null=True, blank=True)
+    node = models.CharField(max_length=253, blank=True)
+    detected_by = models.CharField(max_length=40)
+    message = models.TextField(blank=True)
+    at = models.DateTimeField()
+    detected_at = models.DateTimeField(default=timezone.now)
+    lost_steps = models.IntegerField(null=True, blank=True)
+    # Idempotency: the event id (trainer) or a claim key (watchdog, launcher) that produced this fault.
+    source_key = models.CharField(max_length=100)
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["job", "source_key"], name="uniq_fault_source")]
+        indexes = [models.Index(fields=["job", "at"])]
+        ordering = ["-at", "-id"]
+
+    @property
+    def detection_s(self) -> float:
+        return max(0.0, (self.detected_at - self.at).total_seconds())
+
+
+class Checkpoint(models.Model):
+    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="checkpoints")
+    step = models.IntegerField()
+    attempt_key = models.CharField(max_length=64, default="", blank=True)
+    mode = models.CharField(max_length=10, default="async")
+    state = models.CharField(max_length=20, choices=[(s.value, s.value) for s in CheckpointState],
+                             default=CheckpointState.IN_FLIGHT)
+    started_at = models.DateTimeField()
+    finished_at = models.DateTimeField(null=True, blank=True)
+    blocking_s = models.FloatField(null=True, blank=True)
+    write_s = models.FloatField(null=True, blank=True)
+    bytes = models.BigIntegerField(null=True, blank=True)
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["job", "step", "attempt_key"], name="uniq_ckpt")]
+        indexes = [models.Index(fields=["job", "started_at"])]
+        ordering = ["job", "started_at"]
+
+    @property
+    def durable_latency_s(self) -> float | None:
+        if self.state == CheckpointState.DURABLE and self.finished_at:
+            return (self.finished_at - self.started_at).total_seconds()
+        return None
+
+
+class CommandStatus(models.TextChoices):
+    PENDING = "pending"  # waiting for the trainer's next ingest (or the launcher task)
+    DELIVERED = "delivered"  # sent in an ingest response at least once
+    ACKED = "acked"  # the trainer acknowledged it
+    FAILED = "failed"
+    DONE = "done"  # carried out by the control plane (stop, job-level restart)
+
+
+class Command(models.Model):
+    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="commands")
+    kind = models.CharField(max_length=20, choices=[(c.value, c.value) for c in CommandKind])
+    level = models.CharField(max_length=20, blank=True)  # for restarts: a Layer
+    fault = models.CharField(max_length=20, blank=True)  # for inject_fault: a DrillFault
+    rank = models.IntegerField(null=True, blank=True)
+    status = models.CharField(max_length=20, choices=CommandStatus.choices, default=CommandStatus.PENDING)
+    detail = models.TextField(blank=True)
+    issued_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL)
+    issued_at = models.DateTimeField(default=timezone.now)
+    delivered_at = models.DateTimeField(null=True, blank=True)
+    acked_at = models.DateTimeField(null=True, blank=True)
+    # Trainer-bound commands travel in ingest responses; the others are carried out by a Celery task.
+    via_trainer = models.BooleanField(default=True)
+
+    class Meta:
+        indexes = [models.Index(fields=["job", "status"])]
+        ordering = ["-issued_at", "-id"]
+
+    def to_wire(self) -> dict:
+        return {"id": self.pk, "kind": self.kind, "level": self.level or None, "fault": self.fault or None,
+                "rank": self.rank, "issued_at": self.issued_at.timestamp()}
+
+
+class AuditEntry(models.Model):
+    actor = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL)
+    actor_name = models.CharField(max_length=150)
+    action = models.CharField(max_length=50)
+    job = models.ForeignKey(Job, null=True, blank=True, on_delete=models.SET_NULL, related_name="audit")
+    at = models.DateTimeField(default=timezone.now)
+    detail = models.JSONField(default=dict, blank=True)
+    remote_addr = models.GenericIPAddressField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-at", "-id"]
+        verbose_name_plural = "audit entries"
+
+
+class Notification(models.Model):
+    """Outbox: one row per (job, transition, channel); a sender claims and sends each exactly once."""
+
+    class Transition(models.TextChoices):
+        FAILED = "failed"
+        STALLED = "stalled"
+        STORM = "storm"
+        RECOVERED = "recovered"
+
+    class Channel(models.TextChoices):
+        WEBHOOK = "webhook"
+        EMAIL = "email"
+
+    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="notifications")
+    transition = models.CharField(max_length=20, choices=Transition.choices)
+    transition_key = models.CharField(max_length=100)  # e.g. "stalled:<rank>:<at>"; dedupes repeats
+    channel = models.CharField(max_length=10, choices=Channel.choices)
+    target = models.CharField(max_length=500)
+    payload = models.JSONField()
+    created_at = models.DateTimeField(default=timezone.now)
+    claimed_at = models.DateTimeField(null=True, blank=True)
+    sent_at = models.DateTimeField(null=True, blank=True)
+    attempts = models.IntegerField(default=0)
+    last_error = models.TextField(blank=True)
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["job", "transition_key", "channel"], name="uniq_notification")]
+        indexes = [models.Index(fields=["sent_at"], name="notification_unsent", condition=models.Q(sent_at__isnull=True))]

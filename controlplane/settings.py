@@ -1,0 +1,200 @@
+"""Settings, read from the environment only. Every variable is documented in the README's table.
+
+Features turn on when their variable is present: DATABASE_URL (else embedded SQLite),
+REDIS_URL (else an embedded filesystem broker for Celery and the database for heartbeats).
+"""
+
+import os
+from pathlib import Path
+
+import dj_database_url
+from django.core.exceptions import ImproperlyConfigured
+
+BASE_DIR = Path(__file__).resolve().parent.parent
+DEFAULT_SECRET_KEY = "dev-insecure-unbroken-secret-key-change-me"
+
+
+def env_bool(name: str, default: bool) -> bool:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    if raw.lower() in ("true", "1", "yes"):
+        return True
+    if raw.lower() in ("false", "0", "no"):
+        return False
+    raise ImproperlyConfigured(f"{name}={raw!r}: use true or false")
+
+
+def env_secret(name: str, default: str = "") -> str:
+    """A secret from NAME, or from the file named by NAME_FILE (a mounted Kubernetes secret)."""
+    path = os.environ.get(f"{name}_FILE")
+    if path:
+        return Path(path).read_text().strip()
+    return os.environ.get(name, default)
+
+
+def env_float(name: str, default: float) -> float:
+    raw = os.environ.get(name)
+    if not raw:
+        return default
+    try:
+        return float(raw)
+    except ValueError:
+        raise ImproperlyConfigured(f"{name}={raw!r}: must be a number") from None
+
+
+DEBUG = env_bool("UNBROKEN_DEBUG", False)
+SECRET_KEY = env_secret("UNBROKEN_SECRET_KEY", DEFAULT_SECRET_KEY)
+if not DEBUG and SECRET_KEY == DEFAULT_SECRET_KEY and not env_bool("UNBROKEN_ALLOW_DEV_KEY", False):
+    raise ImproperlyConfigured(
+        "UNBROKEN_SECRET_KEY is the default while UNBROKEN_DEBUG is false: set UNBROKEN_SECRET_KEY "
+        "(or UNBROKEN_SECRET_KEY_FILE) to a long random value. `make up` does this for you."
+    )
+ALLOWED_HOSTS = [h for h in os.environ.get("UNBROKEN_ALLOWED_HOSTS", "localhost,127.0.0.1,[::1]").split(",") if h]
+CSRF_TRUSTED_ORIGINS = [o for o in os.environ.get("UNBROKEN_CSRF_TRUSTED_ORIGINS", "").split(",") if o]
+DATA_DIR = Path(os.environ.get("UNBROKEN_DATA_DIR", BASE_DIR / "var"))
+# Where trainers reach the ingest API (the local launcher passes it to the processes it starts).
+PUBLIC_URL = os.environ.get("UNBROKEN_PUBLIC_URL", "http://127.0.0.1:8000")
+
+INSTALLED_APPS = [
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.staticfiles",
+    "controlplane.jobs",
+    "controlplane.ingest",
+    "controlplane.dashboard",
+    "controlplane.launchers",
+]
+
+MIDDLEWARE = [
+    "django.middleware.security.SecurityMiddleware",
+    "whitenoise.middleware.WhiteNoiseMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
+]
+
+ROOT_URLCONF = "controlplane.urls"
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "DIRS": [BASE_DIR / "templates"],
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ]
+        },
+    }
+]
+WSGI_APPLICATION = "controlplane.wsgi.application"
+ASGI_APPLICATION = "controlplane.asgi.application"
+
+DATABASE_URL = os.environ.get("DATABASE_URL", "")
+if DATABASE_URL:
+    DATABASES = {"default": dj_database_url.parse(DATABASE_URL, conn_max_age=600, conn_health_checks=True)}
+else:
+    DATA_DIR.mkdir(parents=True, exist_ok=True)
+    DATABASES = {
+        "default": {
+            "ENGINE": "django.db.backends.sqlite3",
+            "NAME": DATA_DIR / "unbroken.sqlite3",
+            # WAL lets the dashboard read while ingest writes; IMMEDIATE avoids upgrade deadlocks.
+            "OPTIONS": {
+                "transaction_mode": "IMMEDIATE",
+                "timeout": 20,
+                "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;",
+            },
+        }
+    }
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+REDIS_URL = os.environ.get("REDIS_URL", "")
+
+# Celery: Redis when configured, else kombu's filesystem transport (no server).
+CELERY_BROKER_DIR = DATA_DIR / "broker"
+if REDIS_URL:
+    CELERY_BROKER_URL = REDIS_URL
+else:
+    for sub in ("in", "processed"):
+        (CELERY_BROKER_DIR / sub).mkdir(parents=True, exist_ok=True)
+    CELERY_BROKER_URL = "filesystem://"
+    CELERY_BROKER_TRANSPORT_OPTIONS = {
+        "data_folder_in": str(CELERY_BROKER_DIR / "in"),
+        "data_folder_out": str(CELERY_BROKER_DIR / "in"),
+        "data_folder_processed": str(CELERY_BROKER_DIR / "processed"),
+        "store_processed": False,
+    }
+CELERY_TASK_SERIALIZER = "json"
+CELERY_RESULT_SERIALIZER = "json"
+CELERY_ACCEPT_CONTENT = ["json"]
+CELERY_TASK_IGNORE_RESULT = True
+CELERY_TASK_ACKS_LATE = True
+CELERY_WORKER_PREFETCH_MULTIPLIER = 1
+CELERY_TASK_ALWAYS_EAGER = env_bool("UNBROKEN_CELERY_EAGER", False)
+# Slow cluster calls get their own queue so a slow API server never delays fault detection.
+CELERY_TASK_ROUTES = {
+    "controlplane.launchers.tasks.*": {"queue": "launch"},
+    "controlplane.jobs.tasks.*": {"queue": "default"},
+}
+CELERY_TASK_DEFAULT_QUEUE = "default"
+WATCHDOG_INTERVAL_S = env_float("UNBROKEN_WATCHDOG_INTERVAL_S", 1.0)
+CELERY_BEAT_SCHEDULE = {
+    "watchdog": {"task": "controlplane.jobs.tasks.watchdog", "schedule": WATCHDOG_INTERVAL_S},
+    "send-notifications": {"task": "controlplane.jobs.tasks.send_notifications", "schedule": 5.0},
+    "supervise-launchers": {"task": "controlplane.launchers.tasks.supervise", "schedule": 2.0},
+}
+
+# Ingest
+INGEST_MAX_BODY_BYTES = int(env_float("UNBROKEN_INGEST_MAX_BODY_BYTES", 4 * 1024 * 1024))
+
+# Notifications
+EMAIL_BACKEND = os.environ.get("UNBROKEN_EMAIL_BACKEND", "django.core.mail.backends.console.EmailBackend")
+EMAIL_HOST = os.environ.get("UNBROKEN_EMAIL_HOST", "localhost")
+EMAIL_PORT = int(env_float("UNBROKEN_EMAIL_PORT", 25))
+EMAIL_HOST_USER = os.environ.get("UNBROKEN_EMAIL_USER", "")
+EMAIL_HOST_PASSWORD = env_secret("UNBROKEN_EMAIL_PASSWORD")
+DEFAULT_FROM_EMAIL = os.environ.get("UNBROKEN_EMAIL_FROM", "unbroken@localhost")
+
+# Kubernetes launcher (on when a kubeconfig or in-cluster config exists)
+KUBECONFIG = os.environ.get("KUBECONFIG", "")
+UNBROKEN_K8S_INGEST_URL = os.environ.get("UNBROKEN_K8S_INGEST_URL", PUBLIC_URL)
+
+AUTH_PASSWORD_VALIDATORS = [
+    {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator", "OPTIONS": {"min_length": 10}},
+    {"NAME": "django.contrib.auth.password_validation.CommonPasswordValidator"},
+]
+LOGIN_URL = "login"
+LOGIN_REDIRECT_URL = "dashboard:jobs"
+LOGOUT_REDIRECT_URL = "login"
+SESSION_COOKIE_HTTPONLY = True
+CSRF_COOKIE_HTTPONLY = False
+SECURE_CONTENT_TYPE_NOSNIFF = True
+X_FRAME_OPTIONS = "DENY"
+SESSION_COOKIE_SECURE = env_bool("UNBROKEN_SECURE_COOKIES", False)
+CSRF_COOKIE_SECURE = SESSION_COOKIE_SECURE
+
+LANGUAGE_CODE = "en-us"
+TIME_ZONE = "UTC"
+USE_I18N = False
+USE_TZ = True
+STATIC_URL = "static/"
+STATICFILES_DIRS = [BASE_DIR / "static"]
+STATIC_ROOT = DATA_DIR / "staticfiles"
+
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s: %(message)s"}},
+    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
+    "root": {"handlers": ["console"], "level": os.environ.get("UNBROKEN_LOG_LEVEL", "INFO")},
+    "loggers": {"django.db.backends": {"level": "WARNING"}},
+}
