@@ -48,8 +48,12 @@ class Launcher(Protocol):
         """Problems that would make a launch fail, as messages for the form; empty when fine."""
         ...
 
-    def launch(self, job: Job, *, token: str) -> dict:
-        """Start attempt ``job.attempt``. Returns the launcher_state to store on the job."""
+    def launch(self, job: Job, *, token: str | None) -> dict:
+        """Start attempt ``job.attempt``. Returns the launcher_state to store on the job.
+
+        ``token`` is the job's new ingest token on the first launch (store it where the trainer
+        reads it: a 0600 file, a Secret); ``None`` on later attempts: reuse what the first stored.
+        """
         ...
 
     def stop(self, job: Job, *, grace_s: float) -> None:
