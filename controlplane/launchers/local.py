@@ -1,0 +1,252 @@
+"""The local launcher: runs a job's processes on this machine under NVRx ft_launcher.
+
+Each attempt runs as ``sh -c '<trainer.launch ...>; echo $? > exit-<attempt>'`` in a new session,
+detached with ``setsid -f`` so that no control-plane process is its parent: a worker or web restart
+neither kills it nor leaves a zombie, and any process can find it again from ``launcher_state``
+(pid + create time, so a reused pid is never mistaken for ours). The shell writes the exit status,
+so the exit code survives the control plane being down when the job ends.
+
+Stopping sends SIGTERM to the session's process group, then SIGKILL after the grace period, then
+sweeps any process that carries the attempt's launch tag in its environment (NVRx's in-process
+monitor double-forks outside the tree), so nothing is left behind.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+from django.conf import settings
+
+from controlplane.jobs.models import Job
+from controlplane.launchers.base import LaunchError, LaunchFault, PollResult
+from controlplane.launchers.command import launch_args
+from trainer.wire import FaultClass
+
+_SHELL = 'echo $$ > "$UNBROKEN_PID_FILE"; "$@"; echo $? > "$UNBROKEN_EXIT_FILE"'
+
+
+def run_dir(job: Job) -> Path:
+    return Path(settings.DATA_DIR) / "jobs" / str(job.pk)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _free_port_block(n: int = 4, tries: int = 50) -> int:
+    """A base port with ``n`` consecutive free ports (rdzv, app store, wrapper store, ...)."""
+    for _ in range(tries):
+        base = _free_port()
+        if base + n >= 65535:
+            continue
+        ok = True
+        for p in range(base, base + n):
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", p))
+                except OSError:
+                    ok = False
+                    break
+        if ok:
+            return base
+    raise LaunchError("no block of free TCP ports on 127.0.0.1; free some ports and retry")
+
+
+def launch_tag(job: Job) -> str:
+    return f"job{job.pk}-a{job.attempt}"
+
+
+class LocalLauncher:
+    name = "local"
+
+    def preflight(self, job: Job) -> list[str]:
+        problems = []
+        spec = job.job_spec
+        if spec.nodes != 1:
+            problems.append("the local backend runs one node; use the kubernetes backend for more")
+        cpus = os.cpu_count() or 1
+        if spec.procs_per_node > 4 * cpus:
+            problems.append(f"{spec.procs_per_node} processes on {cpus} CPU cores would crawl; use at most {4 * cpus}")
+        if spec.preset not in ("tiny", "small"):
+            problems.append(f"preset {spec.preset!r} needs GPUs; on this machine use tiny or small")
+        return problems
+
+    def launch(self, job: Job, *, token: str | None) -> dict:
+        problems = self.preflight(job)
+        if problems:
+            raise LaunchError("; ".join(problems))
+        rd = run_dir(job)
+        (rd / "logs").mkdir(parents=True, exist_ok=True)
+        token_file = rd / "token"
+        if token is not None:
+            fd = os.open(token_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(token)
+        elif not token_file.exists():
+            raise LaunchError("the job's token file is gone; start a new job")
+        spec = job.job_spec
+        base_port = _free_port_block()
+        argv = [sys.executable, "-m", "trainer.launch", *launch_args(
+            spec, node_rank=0, rdzv_endpoint=f"127.0.0.1:{base_port}", run_dir=str(rd),
+            job_id=job.pk, attempt=job.attempt, report_url=settings.PUBLIC_URL,
+        )]
+        log_path = rd / "logs" / f"attempt-{job.attempt}.log"
+        pid_file = rd / f"pid-{job.attempt}"
+        exit_file = rd / f"exit-{job.attempt}"
+        for f in (pid_file, exit_file):
+            f.unlink(missing_ok=True)
+        env = {
+            **os.environ,
+            "PYTHONPATH": str(settings.BASE_DIR),
+            "PYTHONUNBUFFERED": "1",
+            "OMP_NUM_THREADS": "1",
+            "TORCH_CPP_LOG_LEVEL": "ERROR",
+            "UNBROKEN_TOKEN_FILE": str(token_file),
+            "UNBROKEN_LAUNCH_TAG": launch_tag(job),
+            "UNBROKEN_PID_FILE": str(pid_file),
+            "UNBROKEN_EXIT_FILE": str(exit_file),
+        }
+        # Never hand the control plane's own secrets to the trainer.
+        for key in ("UNBROKEN_SECRET_KEY", "DATABASE_URL", "UNBROKEN_OPERATOR_PASSWORD", "UNBROKEN_TOKEN"):
+            env.pop(key, None)
+        with open(log_path, "ab") as log:
+            subprocess.run(
+                ["setsid", "-f", "sh", "-c", _SHELL, "unbroken-job", *argv],
+                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,
+                cwd=settings.BASE_DIR, check=True,
+            )
+        pid = _wait_for_pid(pid_file)
+        try:
+            created = psutil.Process(pid).create_time()
+        except psutil.NoSuchProcess:
+            created = None  # ended already; the exit file tells how
+        return {"pid": pid, "create_time": created, "log": str(log_path), "exit_file": str(exit_file),
+                "rdzv_port": base_port, "attempt": job.attempt, "tag": launch_tag(job), "argv": argv[1:]}
+
+    def _process(self, job: Job) -> psutil.Process | None:
+        st = job.launcher_state or {}
+        pid = st.get("pid")
+        if not pid:
+            return None
+        try:
+            proc = psutil.Process(pid)
+            if st.get("create_time") and abs(proc.create_time() - st["create_time"]) > 0.01:
+                return None  # the pid was reused by another process
+            if proc.status() == psutil.STATUS_ZOMBIE:
+                return None
+            return proc
+        except psutil.NoSuchProcess:
+            return None
+
+    def poll(self, job: Job) -> PollResult:
+        st = job.launcher_state or {}
+        if not st:
+            return PollResult(state="pending", reason="not launched yet")
+        exit_file = Path(st.get("exit_file", ""))
+        if exit_file.is_file():
+            raw = exit_file.read_text().strip()
+            code = int(raw) if raw.lstrip("-").isdigit() else -1
+            if code == 0:
+                return PollResult(state="succeeded", reason="training finished")
+            reason = _exit_reason(code)
+            fault = LaunchFault(fault_class=FaultClass.PROCESS_KILLED, message=reason,
+                                source_key=f"exit-a{st.get('attempt', 0)}", at=exit_file.stat().st_mtime)
+            return PollResult(state="failed", reason=reason, faults=[fault])
+        if self._process(job) is not None:
+            return PollResult(state="running")
+        reason = "the job's launcher process is gone without an exit status (killed, or the machine rebooted)"
+        fault = LaunchFault(fault_class=FaultClass.PROCESS_KILLED, message=reason,
+                            source_key=f"lost-a{st.get('attempt', 0)}")
+        return PollResult(state="lost", reason=reason, faults=[fault])
+
+    def stop(self, job: Job, *, grace_s: float) -> None:
+        st = job.launcher_state or {}
+        proc = self._process(job)
+        if proc is not None:
+            try:
+                os.killpg(proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+            deadline = time.monotonic() + grace_s
+            while time.monotonic() < deadline and _group_alive(proc.pid):
+                time.sleep(0.1)
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        tag = st.get("tag")
+        if tag:
+            _kill_tagged(tag)
+
+    def log_tail(self, job: Job, *, max_bytes: int = 16384) -> str:
+        path = (job.launcher_state or {}).get("log")
+        if not path or not os.path.exists(path):
+            return ""
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            f.seek(max(0, size - max_bytes))
+            data = f.read()
+        text = data.decode("utf-8", "replace")
+        if size > max_bytes:
+            text = text.split("\n", 1)[-1]  # drop the partial first line
+        return text
+
+
+def _wait_for_pid(pid_file: Path, timeout_s: float = 10.0) -> int:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            raw = pid_file.read_text().strip()
+            if raw:
+                return int(raw)
+        except FileNotFoundError:
+            pass
+        time.sleep(0.02)
+    raise LaunchError(f"the job's process did not start within {timeout_s:.0f} s; see its log")
+
+
+def _group_alive(pgid: int) -> bool:
+    for p in psutil.process_iter(["pid"]):
+        try:
+            if os.getpgid(p.pid) == pgid and p.status() != psutil.STATUS_ZOMBIE:
+                return True
+        except (ProcessLookupError, psutil.NoSuchProcess, PermissionError):
+            continue
+    return False
+
+
+def _kill_tagged(tag: str) -> int:
+    """SIGKILL every process whose environment carries this launch tag (escaped daemons)."""
+    n = 0
+    me = os.getpid()
+    for p in psutil.process_iter(["pid"]):
+        if p.pid == me:
+            continue
+        try:
+            if p.environ().get("UNBROKEN_LAUNCH_TAG") == tag:
+                p.kill()
+                n += 1
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return n
+
+
+def _exit_reason(code: int) -> str:
+    if code > 128:
+        try:
+            name = signal.Signals(code - 128).name
+        except ValueError:
+            name = f"signal {code - 128}"
+        return f"the job's launcher was killed by {name} (exit {code})"
+    return f"the job's launcher exited with code {code}: ft_launcher ran out of restarts or training failed; see the log"
+

@@ -1,0 +1,147 @@
+"""Launcher workflows: start an attempt, stop, job-level restart, and follow what the launcher sees.
+
+Policy lives here, not in the backends: a launcher reports ``PollResult``s; this module decides
+whether a failure becomes a job-level restart (new processes or pods) or ends the job.
+Every state change is a conditional update, so two workers running ``supervise_job`` at once
+act once.
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import UTC, datetime
+
+from django.db import IntegrityError, transaction
+from django.utils import timezone
+
+from controlplane.jobs.models import (
+    ACTIVE_STATUSES,
+    Command,
+    CommandStatus,
+    Fault,
+    Job,
+    JobStatus,
+    RestartCycle,
+)
+from controlplane.jobs.services import begin_job_restart, mark_command, set_status
+from controlplane.launchers.base import LaunchError, LaunchFault, get_launcher
+from trainer.wire import cycle_key
+
+log = logging.getLogger(__name__)
+STOP_GRACE_S = 10.0
+
+
+def start_attempt(*, job: Job) -> None:
+    """Launch ``job.attempt``; the first launch mints the job's ingest token."""
+    launcher = get_launcher(job.backend)
+    token = job.issue_token() if not job.token_hash else None
+    if token is not None:
+        Job.objects.filter(pk=job.pk).update(token_hash=job.token_hash)
+    try:
+        state = launcher.launch(job, token=token)
+    except LaunchError as e:
+        set_status(job, JobStatus.FAILED, f"launch failed: {e}")
+        raise
+    now = timezone.now()
+    Job.objects.filter(pk=job.pk).update(launcher_state=state, started_at=job.started_at or now)
+    job.launcher_state = state
+    cycle = RestartCycle.objects.filter(job=job, key=cycle_key(attempt=job.attempt)).first()
+    if cycle is not None and cycle.restarted_at is None:
+        RestartCycle.objects.filter(pk=cycle.pk).update(restarted_at=now)
+    log.info("job %s attempt %s launched (%s)", job.pk, job.attempt, job.backend)
+
+
+def launch_job_now(*, job_id: int) -> None:
+    job = Job.objects.get(pk=job_id)
+    if job.status not in (JobStatus.PENDING, JobStatus.LAUNCHING) or job.launcher_state:
+        return  # already launched (a retried task) or stopped meanwhile
+    start_attempt(job=job)
+
+
+def stop_job_now(*, job_id: int, command_id: int | None, reason: str = "stopped by an operator") -> None:
+    """End whatever is left of the job (after the trainer's graceful stop had its grace period)."""
+    job = Job.objects.get(pk=job_id)
+    get_launcher(job.backend).stop(job, grace_s=STOP_GRACE_S)
+    if job.status in ACTIVE_STATUSES:
+        set_status(job, JobStatus.STOPPED, reason)
+    if command_id is not None:
+        cmd = Command.objects.filter(pk=command_id).first()
+        if cmd is not None and cmd.status not in (CommandStatus.ACKED, CommandStatus.DONE):
+            mark_command(cmd, CommandStatus.DONE, "processes stopped by the launcher")
+
+
+def restart_job_now(*, job_id: int, command_id: int | None, reason: str = "restart requested by an operator",
+                    fault_at: datetime | None = None, expected_attempt: int | None = None) -> bool:
+    """Job-level restart: stop every process or pod, then start attempt N+1 from the last durable checkpoint.
+
+    1. Open the cycle ``job<N+1>`` (get-or-create: a retried task reuses it).
+    2. Stop attempt N (idempotent).
+    3. Claim attempt N+1 with a conditional UPDATE on ``attempt``; 0 rows = another worker did it.
+    4. Launch; the trainer reports the cycle's reload and first step.
+    """
+    job = Job.objects.get(pk=job_id)
+    if expected_attempt is not None and job.attempt != expected_attempt:
+        return False
+    cycle = begin_job_restart(job=job, reason=reason, fault_at=fault_at)
+    get_launcher(job.backend).stop(job, grace_s=STOP_GRACE_S)
+    RestartCycle.objects.filter(pk=cycle.pk, aborted_at__isnull=True).update(aborted_at=timezone.now())
+    claimed = Job.objects.filter(pk=job.pk, attempt=job.attempt).update(attempt=job.attempt + 1, launcher_state={})
+    if not claimed:
+        return False
+    job.attempt += 1
+    job.launcher_state = {}
+    start_attempt(job=job)
+    if command_id is not None:
+        cmd = Command.objects.filter(pk=command_id).first()
+        if cmd is not None:
+            mark_command(cmd, CommandStatus.DONE, f"relaunched as attempt {job.attempt}")
+    return True
+
+
+def record_launch_fault(job: Job, fault: LaunchFault) -> bool:
+    """Store a fault only the launcher saw, once per occurrence. True when it is new."""
+    at = datetime.fromtimestamp(fault.at, tz=UTC) if fault.at else timezone.now()
+    try:
+        with transaction.atomic():
+            Fault.objects.create(job=job, fault_class=fault.fault_class, rank=fault.rank, node=fault.node,
+                                 detected_by="launcher", message=fault.message[:2000], at=at,
+                                 source_key=f"{job.backend}:{fault.source_key}"[:100])
+        return True
+    except IntegrityError:
+        return False
+
+
+def supervise_job(*, job: Job) -> str:
+    """Poll the launcher once and act on what it sees. Returns the poll state."""
+    result = get_launcher(job.backend).poll(job)
+    for fault in result.faults:
+        record_launch_fault(job, fault)
+    if result.state == "succeeded":
+        set_status(job, JobStatus.SUCCEEDED, result.reason, only_from=ACTIVE_STATUSES)
+    elif result.state in ("failed", "lost"):
+        spec = job.job_spec
+        if spec.job_restart and job.attempt < spec.max_job_restarts:
+            fault_at = None
+            if result.faults and result.faults[0].at:
+                fault_at = datetime.fromtimestamp(result.faults[0].at, tz=UTC)
+            restart_job_now(job_id=job.pk, command_id=None, reason=f"job-level restart: {result.reason}",
+                            fault_at=fault_at, expected_attempt=job.attempt)
+        else:
+            why = result.reason
+            if spec.job_restart:
+                why += f" (job-level restarts used up: {job.attempt} of {spec.max_job_restarts})"
+            set_status(job, JobStatus.FAILED, why, only_from=ACTIVE_STATUSES)
+    return result.state
+
+
+def supervise_all() -> int:
+    """One pass over every launched, active job. Safe to run in several workers at once."""
+    n = 0
+    for job in Job.objects.active().exclude(launcher_state={}):
+        try:
+            supervise_job(job=job)
+        except Exception:  # one broken job must not stop supervision of the others
+            log.exception("supervising job %s failed", job.pk)
+        n += 1
+    return n
+
