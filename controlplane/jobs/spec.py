@@ -16,6 +16,7 @@ PRESETS = ("tiny", "small", "1b")
 BACKENDS = ("local", "kubernetes")
 CHECKPOINT_MODES = ("sync", "async")
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+_DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
 
 
 class SpecError(ValueError):
@@ -46,6 +47,39 @@ class KubernetesSpec:
     node_selector: dict[str, str] = field(default_factory=dict)
     tolerations: list[dict[str, Any]] = field(default_factory=list)
     use_jobset: bool = False
+    # The nvidia-resiliency-ext release in ``image`` (e.g. "0.4.1"); preflight checks the resilience
+    # flags against it. "" = unknown, not checked.
+    nvrx_version: str = ""
+    image_pull_policy: str = "IfNotPresent"
+
+    def __post_init__(self) -> None:
+        errors: dict[str, str] = {}
+        for name, kind in (("namespace", str), ("image", str), ("checkpoint_claim", str), ("nvrx_version", str),
+                           ("image_pull_policy", str), ("gpus_per_node", int), ("efa_per_node", int),
+                           ("use_jobset", bool), ("node_selector", dict), ("tolerations", list)):
+            value = getattr(self, name)
+            if type(value) is not kind:
+                errors[f"kubernetes.{name}"] = {str: "must be a string", int: "must be an integer",
+                                                bool: "must be true or false", dict: "must be an object",
+                                                list: "must be a list"}[kind]
+        if errors:
+            raise SpecError(errors)
+        if not self.image.strip():
+            errors["kubernetes.image"] = "name the trainer image, e.g. 123456789012.dkr.ecr.us-east-1.amazonaws.com/trainer:1"
+        for name in ("gpus_per_node", "efa_per_node"):
+            if getattr(self, name) < 0:
+                errors[f"kubernetes.{name}"] = "must be 0 or more"
+        if not _DNS_SUBDOMAIN.match(self.checkpoint_claim):
+            errors["kubernetes.checkpoint_claim"] = ("must name a PersistentVolumeClaim (ReadWriteMany, e.g. FSx for "
+                                                     "Lustre) in the namespace: lowercase letters, digits, '-', '.'")
+        if self.image_pull_policy not in ("Always", "IfNotPresent", "Never"):
+            errors["kubernetes.image_pull_policy"] = "must be Always, IfNotPresent or Never"
+        if not all(type(k) is str and type(v) is str for k, v in self.node_selector.items()):
+            errors["kubernetes.node_selector"] = "must map label names to string values"
+        if not all(type(t) is dict for t in self.tolerations):
+            errors["kubernetes.tolerations"] = "must be a list of toleration objects (key, operator, value, effect)"
+        if errors:
+            raise SpecError(errors)
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)

@@ -1,0 +1,99 @@
+"""The trainer's command line, built from a JobSpec. Shared by every launcher (local processes, pods).
+
+Pure functions: same spec in, same argv out. ``launch_args`` is what ``python -m trainer.launch`` takes
+(the ft_launcher side: nodes, rendezvous, in-job restarts, identity); everything after ``--`` is
+``trainer_args`` (the training loop: model, steps, checkpoints, in-process restarts, drills).
+"""
+
+from __future__ import annotations
+
+import re
+
+from controlplane.jobs.spec import JobSpec
+
+TRAINER_LAUNCH = ("python", "-m", "trainer.launch")
+RDZV_PORT = 29500
+# The oldest NVRx the trainer runs with (pyproject: nvidia-resiliency-ext>=0.4.1), and the release
+# that deprecated in-process restart (inprocess.Wrapper) and removed --ft-restart-policy=min-healthy.
+NVRX_MIN = (0, 4, 1)
+NVRX_INPROCESS_DEPRECATED = (0, 6, 0)
+_VERSION = re.compile(r"^v?(\d+)\.(\d+)(?:\.(\d+))?(?:[.+-]?[0-9A-Za-z.]*)?$")
+
+
+def _num(x: float) -> str:
+    """Seconds as the shortest exact text: 1.0 -> '1', 0.5 -> '0.5'."""
+    return str(int(x)) if float(x).is_integer() else repr(float(x))
+
+
+def trainer_args(spec: JobSpec, *, report_url: str = "") -> list[str]:
+    """Flags of the training loop (``python -m trainer`` parses them; ``trainer.launch`` passes them on)."""
+    args = [
+        "--preset", spec.preset,
+        "--steps", str(spec.steps),
+        "--ckpt-interval", str(spec.checkpoint_interval),
+        "--ckpt-mode", spec.checkpoint_mode,
+        "--keep-ckpts", str(spec.keep_checkpoints),
+        "--in-process" if spec.in_process else "--no-in-process",
+    ]
+    if spec.in_process:
+        args += ["--max-in-process-restarts", str(spec.max_in_process_restarts)]
+    args += ["--report-interval", _num(spec.heartbeat_interval_s)]
+    for drill in spec.drills:
+        args += ["--drill", drill.as_flag()]
+    if report_url:
+        args += ["--report-url", report_url]
+    return args
+
+
+def launch_args(spec: JobSpec, *, node_rank: int | str, rdzv_endpoint: str, run_dir: str, job_id: int | str,
+                attempt: int, report_url: str = "") -> list[str]:
+    """Arguments of ``python -m trainer.launch`` for one node.
+
+    ``node_rank`` is a number, or a reference the runtime expands (Kubernetes: ``$(JOB_COMPLETION_INDEX)``).
+    ``--max-restarts`` is ft_launcher's in-job budget; with in-job restarts off it is 0 so that a
+    failed rank ends the node at once and the control plane decides (job-level restart or fail).
+    """
+    return [
+        "--nnodes", str(spec.nodes),
+        "--node-rank", str(node_rank),
+        "--nproc-per-node", str(spec.procs_per_node),
+        "--rdzv-endpoint", rdzv_endpoint,
+        "--max-restarts", str(spec.max_in_job_restarts if spec.in_job else 0),
+        "--in-job" if spec.in_job else "--no-in-job",
+        "--run-dir", run_dir,
+        "--job-id", str(job_id),
+        "--attempt", str(attempt),
+        "--",
+        *trainer_args(spec, report_url=report_url),
+    ]
+
+
+def parse_version(text: str) -> tuple[int, int, int] | None:
+    m = _VERSION.match(text.strip())
+    if not m:
+        return None
+    return int(m.group(1)), int(m.group(2)), int(m.group(3) or 0)
+
+
+def nvrx_problems(spec: JobSpec, nvrx_version: str) -> list[str]:
+    """Why these resilience flags will not work with this NVRx release; empty when they will.
+
+    An unknown version ("") is not checked: the operator did not say which NVRx the image has.
+    """
+    if not nvrx_version:
+        return []
+    version = parse_version(nvrx_version)
+    if version is None:
+        return [f"NVRx version {nvrx_version!r} is not a version like 0.4.1: write the version of "
+                "nvidia-resiliency-ext installed in the trainer image"]
+    problems = []
+    if version < NVRX_MIN:
+        problems.append(f"the trainer needs NVRx 0.4.1 or later (ft_launcher heartbeats, inprocess.Wrapper); "
+                        f"the image has {nvrx_version}: rebuild the trainer image")
+    if spec.in_process and version >= NVRX_INPROCESS_DEPRECATED:
+        problems.append(
+            f"NVRx {nvrx_version} deprecates in-process restart (inprocess.Wrapper, deprecated in 0.6): turn "
+            "in-process restart off (in-job and job-level restarts still recover the job), or use a trainer "
+            "image with NVRx 0.4.1-0.5.x"
+        )
+    return problems
