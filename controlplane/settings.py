@@ -67,6 +67,7 @@ INSTALLED_APPS = [
     "controlplane.ingest",
     "controlplane.dashboard",
     "controlplane.launchers",
+    "controlplane.api",
 ]
 
 MIDDLEWARE = [
@@ -189,6 +190,9 @@ USE_TZ = True
 STATIC_URL = "static/"
 STATICFILES_DIRS = [BASE_DIR / "static"]
 STATIC_ROOT = DATA_DIR / "staticfiles"
+STATIC_ROOT.mkdir(parents=True, exist_ok=True)
+# Serve straight from static/ and installed packages too, so a missed collectstatic never breaks a page.
+WHITENOISE_USE_FINDERS = True
 
 LOGGING = {
     "version": 1,

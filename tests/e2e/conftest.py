@@ -1,0 +1,38 @@
+"""End-to-end fixtures: the real control plane (live server, a real Celery worker on an in-memory
+broker) driving real training processes on this machine."""
+
+import time
+
+import pytest
+from celery.contrib.testing.worker import start_worker
+
+from controlplane.celery import app as celery_app
+
+
+@pytest.fixture()
+def celery_worker_thread(settings):
+    """A real Celery worker consuming the default and launch queues in a thread of this process."""
+    celery_app.conf.broker_url = "memory://"
+    celery_app.conf.broker_transport_options = {}
+    celery_app.conf.task_always_eager = False
+    with start_worker(celery_app, pool="solo", perform_ping_check=False, queues=["default", "launch"],
+                      shutdown_timeout=30) as worker:
+        yield worker
+
+
+@pytest.fixture()
+def e2e_settings(settings, live_server, tmp_path):
+    settings.PUBLIC_URL = live_server.url
+    settings.DATA_DIR = tmp_path / "data"
+    settings.DATA_DIR.mkdir()
+    return settings
+
+
+def wait_for(predicate, *, timeout_s: float, interval_s: float = 0.25, what: str = "condition"):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval_s)
+    raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
