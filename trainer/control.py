@@ -51,9 +51,7 @@ class DrillError(RuntimeError):
 
 
 class NanLossError(FloatingPointError):
-    def __init__(self, step: int, loss: float):
-        super().__init__(f"loss is {loss} at step {step}")
-        self.step = step
+    """A non-finite loss; raised before backward so it never reaches the weights."""
 
 
 class RestartRequested(RuntimeError):

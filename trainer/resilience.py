@@ -21,6 +21,7 @@ import socket
 from typing import Any, Callable, Iterator, Optional
 
 import psutil
+import torch
 import torch.distributed as dist
 
 from trainer import nvrx_compat
@@ -148,14 +149,24 @@ def build_in_process_wrapper(session: Session) -> Any:
     keep_ports = (env.app_store_port, env.wrapper_store_port, int(os.environ.get("MASTER_PORT", "0")))
     gloo = session.device.type == "cpu"
 
-    class ExternalStore(inprocess.store.TCPStore):
-        # trainer.launch hosts the Wrapper store; no rank may try to host it.
-        TCP_STORE_HOST_RANK = -1 if env.stores_external else 0
+    round_prefix = f"a{cfg.attempt}/ij{env.restart_count}/"
+
+    class RoundStore(torch.distributed.PrefixStore, inprocess.store.StoreMixin):
+        """The Wrapper store of this in-job round. trainer.launch hosts one store for all rounds; the
+        Wrapper's barriers count arrivals, so every round needs its own key space."""
+
+        def __init__(self, host_name: str, port: int, timeout: datetime.timedelta):
+            base = torch.distributed.TCPStore(host_name, port, is_master=False, use_libuv=True, timeout=timeout)
+            super().__init__(round_prefix, base)
+
+    store_factory = RoundStore if env.stores_external else inprocess.store.TCPStore
 
     def records_of(iteration: int) -> list[dict[str, Any]]:
         try:
             store = dist.TCPStore(env.store_host, env.wrapper_store_port, is_master=False, use_libuv=True,
                                   timeout=td(5))
+            if env.stores_external:
+                store = torch.distributed.PrefixStore(round_prefix, store)
             ps = inprocess.store.PrefixStore(iteration, store)
             return [{"rank": r.rank, "interruption": r.interruption.name} for r in ps.get_interruption_records()]
         except Exception as e:
@@ -234,7 +245,7 @@ def build_in_process_wrapper(session: Session) -> Any:
     hb_timeout = cfg.hard_timeout + 5.0
     barrier = max(120.0, hb_timeout + 30.0, cfg.ckpt_timeout)
     kwargs = nvrx_compat.wrapper_kwargs(
-        store_factory=ExternalStore,
+        store_factory=store_factory,
         store_kwargs={"host_name": env.store_host, "port": env.wrapper_store_port, "timeout": td(barrier)},
         # Compose runs right to left: the retry limits first, then our reporting.
         initialize=inprocess.Compose(

@@ -96,7 +96,7 @@ def run_iteration(session: Session, scope: Any) -> float | None:
             loss_v = loss.item()
             if not math.isfinite(loss_v):
                 session.record_fault(FaultClass.NAN_LOSS, f"loss {loss_v} at step {step}")
-                raise NanLossError(step, loss_v)
+                raise NanLossError(f"loss is {loss_v} at step {step}")
             loss.backward()
             checkpointer.maybe_wait_for_staging()
             optimizer.step()

@@ -1,0 +1,164 @@
+"""Fixtures for the trainer tests: a stdlib ingest sink and a runner for real launches (gloo on CPU)."""
+
+from __future__ import annotations
+
+import http.server
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PYTHON = sys.executable
+
+
+class Receiver:
+    """Stands in for the control plane's ingest endpoint as a sink: records batches, serves commands,
+    can answer with a chosen status, and can be stopped and started again on the same port."""
+
+    def __init__(self, port: int | None = None):
+        self.port = port or free_port()
+        self.batches: list[dict[str, Any]] = []
+        self.commands: list[dict[str, Any]] = []
+        self.status = 200
+        self.delay_s = 0.0
+        self.lock = threading.Lock()
+        self._server: http.server.ThreadingHTTPServer | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> Receiver:
+        recv = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802
+                body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                if recv.delay_s:
+                    time.sleep(recv.delay_s)
+                status = recv.status
+                if status == 200:
+                    batch = json.loads(body)
+                    batch["_auth"] = self.headers.get("Authorization")
+                    batch["_path"] = self.path
+                    with recv.lock:
+                        recv.batches.append(batch)
+                        cmds = list(recv.commands)
+                    out = json.dumps({"accepted": {}, "commands": cmds, "server_time": time.time()}).encode()
+                else:
+                    out = json.dumps({"error": "refused by test", "field": "events[0].kind"}).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(out)))
+                self.end_headers()
+                self.wfile.write(out)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        http.server.ThreadingHTTPServer.allow_reuse_address = True
+        self._server = http.server.ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
+        threading.Thread(target=self._server.serve_forever, daemon=True).start()
+        return self
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+
+    def events(self, kind: str | None = None) -> list[dict[str, Any]]:
+        with self.lock:
+            evs = [e for b in self.batches for e in b.get("events", [])]
+        return [e for e in evs if kind is None or e["kind"] == kind]
+
+    def heartbeats(self) -> list[dict[str, Any]]:
+        with self.lock:
+            return [h for b in self.batches for h in b.get("heartbeats", [])]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def free_port_block(n: int = 3) -> int:
+    """A port P with P..P+n-1 all free (rdzv, app store, Wrapper store)."""
+    for _ in range(200):
+        p = free_port()
+        if p + n >= 65535:
+            continue
+        socks = []
+        try:
+            for i in range(n):
+                s = socket.socket()
+                s.bind(("127.0.0.1", p + i))
+                socks.append(s)
+            return p
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError("no free port block")
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("UNBROKEN_", "TORCHELASTIC_", "FT_"))}
+    env.update(OMP_NUM_THREADS="1", TORCH_CPP_LOG_LEVEL="ERROR", PYTHONUNBUFFERED="1",
+               PYTHONPATH=str(ROOT), **extra)
+    return env
+
+
+@dataclass
+class Run:
+    rc: int
+    log: str
+    run_dir: Path
+    wall_s: float
+    events: list[dict[str, Any]] = field(default_factory=list)
+
+    def final_loss(self) -> float | None:
+        for line in self.log.splitlines():
+            if line.startswith("FINAL_LOSS"):
+                return float(line.split()[1])
+        return None
+
+
+def launch(run_dir: Path, *, trainer_flags: list[str], nproc: int = 2, in_job: bool = True,
+           max_restarts: int = 2, report_url: str | None = None, attempt: int = 0, timeout_s: float = 240,
+           job_id: str = "job-1", token: str = "t0ken") -> Run:
+    port = free_port_block()
+    cmd = [PYTHON, "-m", "trainer.launch", "--nnodes", "1", "--node-rank", "0", "--nproc-per-node", str(nproc),
+           "--rdzv-endpoint", f"127.0.0.1:{port}", "--max-restarts", str(max_restarts),
+           "--in-job" if in_job else "--no-in-job", "--run-dir", str(run_dir), "--job-id", job_id,
+           "--attempt", str(attempt), "--", "--log-every", "0", *trainer_flags]
+    if report_url:
+        cmd += ["--report-url", report_url, "--report-interval", "0.2"]
+    t0 = time.monotonic()
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=child_env(UNBROKEN_TOKEN=token), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+        out, _ = proc.communicate()
+        out += "\n<<TIMEOUT>>"
+    return Run(rc=proc.returncode, log=out, run_dir=run_dir, wall_s=time.monotonic() - t0)
+
+
+@pytest.fixture
+def receiver():
+    r = Receiver().start()
+    yield r
+    r.stop()
