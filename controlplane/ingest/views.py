@@ -1,0 +1,153 @@
+"""The machine-facing ingest API (v1): parse, authorise, call ``jobs.ingestion``, answer in JSON.
+
+Hot path, so: no session or ORM work before the token check; the job row (token hash, spec, status)
+and the pending-command list are cached per process for a moment (``JOB_CACHE_S``, ``COMMAND_CACHE_S``);
+orjson in and out. Errors are ``{"error": "...", "field": "heartbeats[3].rank" | null}``.
+
+Status codes: 401 missing or wrong token, and also an unknown job (a wrong token cannot learn whether a
+job exists); 413 body over ``INGEST_MAX_BODY_BYTES``; 400 not JSON; 422 valid JSON that breaks the wire
+format (types, unknown ranks, clock skew, event data); 503 the database is unavailable (retry: every
+write is idempotent). A finished job still gets 200: its ranks' last events (``rank_finished``, a final
+checkpoint) race with the launcher seeing the exit, and facts are never refused for being late; the
+response's ``job_status`` tells the trainer, and a finished job gets no commands.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import orjson
+from django.conf import settings
+from django.db import DatabaseError, OperationalError
+from django.http import HttpRequest, HttpResponse
+from django.views.decorators.csrf import csrf_exempt
+
+from controlplane.ingest.openapi import openapi_schema
+from controlplane.jobs import ingestion
+from controlplane.jobs.heartbeats import utc
+from controlplane.jobs.models import Job, hash_token
+from trainer.wire import WireError, parse_batch
+
+log = logging.getLogger(__name__)
+
+JOB_CACHE_S = 2.0
+# Commands reach the trainer within one heartbeat interval plus this.
+COMMAND_CACHE_S = 0.1
+_DB_TRIES = 3
+
+_lock = threading.Lock()
+_jobs: dict[int, tuple[float, Job | None]] = {}
+_commands: dict[int, tuple[float, list[dict]]] = {}
+_NO_HASH = hash_token("")
+
+
+def _json(obj: object, status: int = 200, headers: dict[str, str] | None = None) -> HttpResponse:
+    resp = HttpResponse(orjson.dumps(obj), status=status, content_type="application/json")
+    for k, v in (headers or {}).items():
+        resp[k] = v
+    return resp
+
+
+def error(status: int, message: str, field: str | None = None, headers: dict[str, str] | None = None) -> HttpResponse:
+    return _json({"error": message, "field": field or None}, status, headers)
+
+
+def _cached_job(job_id: int) -> Job | None:
+    now = time.monotonic()
+    hit = _jobs.get(job_id)
+    if hit is not None and hit[0] > now:
+        return hit[1]
+    job = Job.objects.filter(pk=job_id).first()
+    with _lock:
+        if len(_jobs) > 10000:
+            _jobs.clear()
+        _jobs[job_id] = (now + JOB_CACHE_S, job)
+    return job
+
+
+def _pending_commands(job: Job) -> list[dict]:
+    if not job.is_active:
+        return []
+    now = time.monotonic()
+    hit = _commands.get(job.pk)
+    if hit is not None and hit[0] > now:
+        return hit[1]
+    cmds = ingestion.pending_commands(job.pk, now=utc(time.time()))
+    with _lock:
+        if len(_commands) > 10000:
+            _commands.clear()
+        _commands[job.pk] = (now + COMMAND_CACHE_S, cmds)
+    return cmds
+
+
+def clear_caches() -> None:
+    with _lock:
+        _jobs.clear()
+        _commands.clear()
+
+
+_UNAUTHORIZED = {"WWW-Authenticate": 'Bearer realm="unbroken-ingest"'}
+
+
+@csrf_exempt
+def ingest(request: HttpRequest, job_id: int) -> HttpResponse:
+    if request.method != "POST":
+        return error(405, "use POST with a JSON batch (see /api/v1/openapi.json)", headers={"Allow": "POST"})
+    auth = request.META.get("HTTP_AUTHORIZATION", "")
+    scheme, _, token = auth.partition(" ")
+    token = token.strip()
+    if scheme.lower() != "bearer" or not token:
+        return error(401, "send the job's ingest token as 'Authorization: Bearer <token>'", headers=_UNAUTHORIZED)
+    job = _cached_job(job_id)
+    # Same work whether or not the job exists: a wrong token learns nothing about job ids.
+    if job is None or not job.token_hash:
+        Job(token_hash=_NO_HASH).token_matches(token)
+        return error(401, "this token is not valid for this job", headers=_UNAUTHORIZED)
+    if not job.token_matches(token):
+        return error(401, "this token is not valid for this job", headers=_UNAUTHORIZED)
+
+    limit = settings.INGEST_MAX_BODY_BYTES
+    too_big = f"the body is over {limit} bytes; send smaller batches"
+    try:
+        declared = int(request.META.get("CONTENT_LENGTH") or 0)
+    except ValueError:
+        return error(400, "Content-Length is not a number")
+    if declared > limit:
+        return error(413, too_big)
+    body = request.read(limit + 1)
+    if len(body) > limit:
+        return error(413, too_big)
+    try:
+        obj = orjson.loads(body)
+    except orjson.JSONDecodeError as e:
+        return error(400, f"the body is not valid JSON: {e}")
+
+    now_ts = time.time()
+    try:
+        batch = parse_batch(obj, now=now_ts, world_size=job.world_size)
+        ingestion.check_batch(batch)
+    except WireError as e:
+        return error(422, e.message, e.field)
+
+    now = utc(now_ts)
+    for attempt in range(_DB_TRIES):
+        try:
+            result = ingestion.record_batch(job, batch, now=now)
+            break
+        except OperationalError as e:  # deadlock, serialization failure, lost connection: retry, then 503
+            if attempt == _DB_TRIES - 1:
+                log.error("ingest for job %s failed: %s", job_id, e)
+                return error(503, "the database is unavailable; retry later (retries are safe)",
+                             headers={"Retry-After": "1"})
+    try:
+        commands = _pending_commands(job)
+    except DatabaseError:
+        commands = []  # the batch is stored; commands come with the next one
+    return _json({"accepted": result.to_wire(), "commands": commands, "server_time": time.time(),
+                  "job_status": job.status})
+
+
+def openapi(request: HttpRequest) -> HttpResponse:
+    return _json(openapi_schema())

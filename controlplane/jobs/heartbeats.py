@@ -1,0 +1,472 @@
+"""Where rank heartbeats go: the one seam between the ingest hot path and the ``Rank`` rows.
+
+Two stores with the same interface (``record``, ``flush``, ``overdue``, ``freshest``, ``forget``):
+
+- ``DbHeartbeatStore`` (no ``REDIS_URL``): each batch upserts its ranks' rows inside the ingest
+  transaction. Rank rows are always current.
+- ``RedisHeartbeatStore`` (``REDIS_URL`` set): one Lua call per batch keeps a packed per-rank state
+  (``HSET``), a global deadline ZSET (``ZADD``) and a dirty set (``SADD``); ``flush()`` upserts the
+  dirty ranks' rows and the jobs' progress from it. The watchdog reads the deadline ZSET, so lost-rank
+  detection does not wait for a flush.
+
+Accepted trade-off (Redis store): ``Rank`` rows, ``Job.last_step/max_step/last_progress_at`` and so the
+dashboard and stall detection lag Redis by at most one flush interval plus the flush's own duration
+(``HEARTBEAT_FLUSH_INTERVAL_S``, 2 s by default). Heartbeat-lost detection does not lag: the watchdog
+reads deadlines from Redis and writes the freshest state of a rank before it claims it. Redis runs
+without persistence in the reference set-up; if it restarts empty, the flushed rows remain and the
+watchdog's database scan still catches ranks that stop beating (their ``stale_at`` is in the rows).
+
+Both stores write rows with the same upsert (``upsert_ranks``), which only ever moves a rank forward
+in time: a heartbeat older than the stored one changes nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Iterable, Protocol
+
+from django.conf import settings
+from django.db import connection, transaction
+
+from trainer.wire import Heartbeat, Phase
+
+log = logging.getLogger(__name__)
+
+_STOPPED = Phase.STOPPED.value
+_TRAIN = Phase.TRAIN.value
+_SLOW_PHASES = frozenset({Phase.CHECKPOINT_SAVE, Phase.CHECKPOINT_LOAD, Phase.INIT, Phase.RESTARTING})
+
+
+def utc(ts: float) -> datetime:
+    return datetime.fromtimestamp(ts, tz=UTC)
+
+
+@dataclass(slots=True, frozen=True)
+class Timeouts:
+    """The supervision timeouts of one job's spec, in seconds (read once per batch)."""
+
+    step_s: float
+    checkpoint_s: float
+    stall_s: float
+
+    @classmethod
+    def of(cls, spec: dict) -> Timeouts:
+        return cls(step_s=float(spec.get("step_timeout_s", 30.0)),
+                   checkpoint_s=float(spec.get("checkpoint_timeout_s", 300.0)),
+                   stall_s=float(spec.get("stall_timeout_s", 120.0)))
+
+    def deadline(self, phase: str, at: float) -> float | None:
+        """Same rule as ``models.deadline_for``, in unix seconds; a stopped rank has no deadline."""
+        if phase == _STOPPED:
+            return None
+        return at + (self.checkpoint_s if phase in _SLOW_PHASES else self.step_s)
+
+
+@dataclass(slots=True)
+class RankState:
+    """A rank's newest heartbeat plus when its step last changed (unix seconds)."""
+
+    rank: int
+    at: float
+    step: int
+    step_since: float  # earliest ``at`` at which the rank reported ``step`` (in this run of beats)
+    phase: str
+    loss: float | None = None
+    step_time_s: float | None = None
+    tokens_per_s: float | None = None
+    node: str = ""
+    pid: int | None = None
+
+    @classmethod
+    def of(cls, hb: Heartbeat, step_since: float | None = None) -> RankState:
+        return cls(hb.rank, hb.at, hb.step, hb.at if step_since is None else step_since, hb.phase, hb.loss,
+                   hb.step_time_s, hb.tokens_per_s, hb.node, hb.pid)
+
+    # Packed for Redis: "at|step|step_since|phase|loss|step_time_s|tokens_per_s|pid|node" (node last:
+    # it is the only free text; wire.py limits it to 253 characters, '|' in it is harmless there).
+    def pack_tail(self) -> str:
+        return (f"{self.phase}|{_f(self.loss)}|{_f(self.step_time_s)}|{_f(self.tokens_per_s)}|"
+                f"{'' if self.pid is None else self.pid}|{self.node}")
+
+    @classmethod
+    def unpack(cls, rank: int, raw: bytes | str) -> RankState:
+        s = raw.decode() if isinstance(raw, bytes) else raw
+        at, step, since, phase, loss, st, tps, pid, node = s.split("|", 8)
+        return cls(rank, float(at), int(step), float(since), phase, _opt(loss), _opt(st), _opt(tps), node,
+                   int(pid) if pid else None)
+
+
+def _f(v: float | None) -> str:
+    return "" if v is None else repr(v)
+
+
+def _opt(s: str) -> float | None:
+    return float(s) if s else None
+
+
+def newest_per_rank(heartbeats: Iterable[Heartbeat]) -> dict[int, RankState]:
+    """Collapse a batch to each rank's newest heartbeat, remembering since when its step held.
+
+    Out-of-order beats inside a batch are placed by their own ``at``.
+    """
+    newest: dict[int, Heartbeat] = {}
+    dups: dict[int, list[Heartbeat]] | None = None
+    for hb in heartbeats:
+        prev = newest.get(hb.rank)
+        if prev is None:
+            newest[hb.rank] = hb
+            continue
+        if dups is None:
+            dups = {}
+        dups.setdefault(hb.rank, [prev]).append(hb)
+        if hb.at > prev.at:
+            newest[hb.rank] = hb
+    out = {r: RankState.of(hb) for r, hb in newest.items()}
+    if dups:
+        for r, beats in dups.items():
+            beats.sort(key=lambda b: b.at)
+            last = beats[-1]
+            since = last.at
+            for b in reversed(beats):
+                if b.step != last.step:
+                    break
+                since = b.at
+            out[r].step_since = since
+    return out
+
+
+# --- the shared upsert -------------------------------------------------------------------------------
+
+_RANK_COLUMNS = ("job_id", "rank", "node", "pid", "phase", "last_heartbeat_at", "last_step", "step_changed_at",
+                 "loss", "step_time_s", "tokens_per_s", "stale_at", "stall_at")
+# Only newer heartbeats update a row. The step clock keeps its start while the step holds. A claim is
+# cleared when the new heartbeat shows life (its deadline is in the future: a late replay of an old beat
+# does not revive a lost rank) or progress (the step moved).
+_UPSERT_TAIL = """
+ON CONFLICT (job_id, rank) DO UPDATE SET
+  node = excluded.node, pid = excluded.pid, phase = excluded.phase,
+  last_heartbeat_at = excluded.last_heartbeat_at, loss = excluded.loss,
+  step_time_s = excluded.step_time_s, tokens_per_s = excluded.tokens_per_s, stale_at = excluded.stale_at,
+  step_changed_at = CASE WHEN jobs_rank.last_step = excluded.last_step AND jobs_rank.step_changed_at IS NOT NULL
+                         THEN jobs_rank.step_changed_at ELSE excluded.step_changed_at END,
+  stall_at = CASE WHEN excluded.stall_at IS NULL THEN NULL
+                  WHEN jobs_rank.last_step = excluded.last_step AND jobs_rank.stall_at IS NOT NULL
+                  THEN jobs_rank.stall_at ELSE excluded.stall_at END,
+  lost_at = CASE WHEN excluded.stale_at IS NULL OR excluded.stale_at > %s THEN NULL ELSE jobs_rank.lost_at END,
+  stalled_at = CASE WHEN jobs_rank.last_step <> excluded.last_step THEN NULL ELSE jobs_rank.stalled_at END,
+  last_step = excluded.last_step
+WHERE jobs_rank.last_heartbeat_at IS NULL OR jobs_rank.last_heartbeat_at < excluded.last_heartbeat_at
+"""
+
+
+def upsert_ranks(job_id: int, states: Iterable[RankState], timeouts: Timeouts, *, now: datetime) -> int:
+    """Create or move forward the ``Rank`` rows of ``states``; sorted by rank so that concurrent
+    writers lock rows in the same order (no deadlocks). Returns the number of states written."""
+    rows = sorted(states, key=lambda s: s.rank)
+    if not rows:
+        return 0
+    adapt = connection.ops.adapt_datetimefield_value
+    # SQLite allows 32766 variables per statement; Postgres 65535.
+    chunk = 1500 if connection.vendor == "sqlite" else 3000
+    head = f"INSERT INTO jobs_rank ({', '.join(_RANK_COLUMNS)}) VALUES "
+    one = "(" + ", ".join(["%s"] * len(_RANK_COLUMNS)) + ")"
+    now_p = adapt(now)
+    stall_s = timeouts.stall_s
+    with connection.cursor() as cur:
+        for i in range(0, len(rows), chunk):
+            part = rows[i:i + chunk]
+            params: list = []
+            for s in part:
+                deadline = timeouts.deadline(s.phase, s.at)
+                params += (job_id, s.rank, s.node, s.pid, s.phase, adapt(utc(s.at)), s.step,
+                           adapt(utc(s.step_since)), s.loss, s.step_time_s, s.tokens_per_s,
+                           None if deadline is None else adapt(utc(deadline)),
+                           adapt(utc(s.step_since + stall_s)) if s.phase == _TRAIN else None)
+            params.append(now_p)
+            cur.execute(head + ", ".join([one] * len(part)) + _UPSERT_TAIL, params)
+    return len(rows)
+
+
+def update_job_progress(job_id: int, states: Iterable[RankState]) -> None:
+    """Fold ranks' newest states into the job's progress facts with one conditional UPDATE.
+
+    ``max_step`` only grows and ``last_progress_at`` is when it last grew; ``last_step`` follows the
+    newest beats (it goes down after a rollback) unless they are older than the last progress
+    (a late replay); ``first_step_at`` is the earliest train beat ever seen.
+    """
+    from django.db.models import Case, F, Q, Value, When
+
+    from controlplane.jobs.models import Job
+
+    states = list(states)
+    if not states:
+        return
+    top = max(states, key=lambda s: (s.step, -s.at))
+    newest = max(states, key=lambda s: s.at)
+    train = [s.at for s in states if s.phase == _TRAIN]
+    top_at, newest_at = utc(top.at), utc(newest.at)
+    last_step = max(s.step for s in states if s.at >= newest.at - 5.0)
+    fields = {
+        "max_step": Case(When(max_step__lt=top.step, then=Value(top.step)), default=F("max_step")),
+        "last_progress_at": Case(When(max_step__lt=top.step, then=Value(top_at)), default=F("last_progress_at")),
+        "last_step": Case(When(Q(last_progress_at__isnull=True) | Q(last_progress_at__lte=newest_at),
+                               then=Value(last_step)), default=F("last_step")),
+    }
+    if train:
+        first = utc(min(train))
+        fields["first_step_at"] = Case(When(Q(first_step_at__isnull=True) | Q(first_step_at__gt=first),
+                                            then=Value(first)), default=F("first_step_at"))
+    Job.objects.filter(pk=job_id).update(**fields)
+
+
+# --- the stores -----------------------------------------------------------------------------------------
+
+
+class HeartbeatStore(Protocol):
+    in_transaction: bool  # True: ``record`` must run inside the ingest transaction (it writes rows)
+
+    def record(self, job_id: int, states: dict[int, RankState], timeouts: Timeouts, *, now: datetime) -> None: ...
+
+    def flush(self, *, now: datetime | None = None) -> int: ...
+
+    def overdue(self, now: datetime, *, limit: int = 10000) -> list[tuple[int, int, float]]: ...
+
+    def freshest(self, job_id: int, ranks: list[int]) -> dict[int, RankState]: ...
+
+    def forget(self, entries: list[tuple[int, int, float]]) -> None: ...
+
+    def drop_job(self, job_id: int) -> None: ...
+
+
+class DbHeartbeatStore:
+    """Heartbeats straight into ``Rank`` rows, in the ingest transaction (the embedded default)."""
+
+    in_transaction = True
+
+    def record(self, job_id: int, states: dict[int, RankState], timeouts: Timeouts, *, now: datetime) -> None:
+        upsert_ranks(job_id, states.values(), timeouts, now=now)
+        update_job_progress(job_id, states.values())
+
+    def flush(self, *, now: datetime | None = None) -> int:
+        return 0
+
+    def overdue(self, now: datetime, *, limit: int = 10000) -> list[tuple[int, int, float]]:
+        return []  # the watchdog's database scan covers everything
+
+    def freshest(self, job_id: int, ranks: list[int]) -> dict[int, RankState]:
+        return {}
+
+    def forget(self, entries: list[tuple[int, int, float]]) -> None:
+        pass
+
+    def drop_job(self, job_id: int) -> None:
+        pass
+
+
+# KEYS: 1 state hash of the job, 2 deadline zset, 3 dirty set
+# ARGV: job_id, then 6 values per rank: rank, at, step, step_since, deadline ("" = none), packed tail
+_RECORD_LUA = """
+local job = ARGV[1]
+local n = (#ARGV - 1) / 6
+local fields = {}
+for i = 0, n - 1 do fields[i + 1] = ARGV[2 + i * 6] end
+local old = {}
+for i = 1, n, 4000 do
+  local part = redis.call('HMGET', KEYS[1], unpack(fields, i, math.min(i + 3999, n)))
+  for j = 1, #part do old[i + j - 1] = part[j] end
+end
+local hset, zadd, zrem, dirty = {}, {}, {}, {}
+for i = 0, n - 1 do
+  local b = 2 + i * 6
+  local rank, at, step, since, deadline, tail = ARGV[b], ARGV[b + 1], ARGV[b + 2], ARGV[b + 3], ARGV[b + 4], ARGV[b + 5]
+  local prev = old[i + 1]
+  local newer = true
+  if prev then
+    local pat, pstep, psince = string.match(prev, '^([^|]*)|([^|]*)|([^|]*)|')
+    if tonumber(pat) >= tonumber(at) then
+      newer = false
+    elseif pstep == step then
+      since = psince
+    end
+  end
+  if newer then
+    local member = job .. ':' .. rank
+    hset[#hset + 1] = rank
+    hset[#hset + 1] = at .. '|' .. step .. '|' .. since .. '|' .. tail
+    if deadline == '' then
+      zrem[#zrem + 1] = member
+    else
+      zadd[#zadd + 1] = deadline
+      zadd[#zadd + 1] = member
+    end
+    dirty[#dirty + 1] = member
+  end
+end
+for i = 1, #hset, 4000 do redis.call('HSET', KEYS[1], unpack(hset, i, math.min(i + 3999, #hset))) end
+for i = 1, #zadd, 4000 do redis.call('ZADD', KEYS[2], unpack(zadd, i, math.min(i + 3999, #zadd))) end
+for i = 1, #zrem, 4000 do redis.call('ZREM', KEYS[2], unpack(zrem, i, math.min(i + 3999, #zrem))) end
+for i = 1, #dirty, 4000 do redis.call('SADD', KEYS[3], unpack(dirty, i, math.min(i + 3999, #dirty))) end
+return #dirty
+"""
+
+# Take the dirty set for flushing, unless an earlier flush died half-way (then finish that one first).
+_TAKE_DIRTY_LUA = """
+if redis.call('EXISTS', KEYS[2]) == 1 then return 1 end
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+redis.call('RENAME', KEYS[1], KEYS[2])
+return 1
+"""
+
+# Remove deadline entries only if no newer heartbeat moved them since the watchdog read them.
+_FORGET_LUA = """
+local n = 0
+for i = 1, #ARGV, 2 do
+  local s = redis.call('ZSCORE', KEYS[1], ARGV[i])
+  if s and tonumber(s) <= tonumber(ARGV[i + 1]) then
+    n = n + redis.call('ZREM', KEYS[1], ARGV[i])
+  end
+end
+return n
+"""
+
+
+class RedisHeartbeatStore:
+    """Heartbeats in Redis; ``Rank`` rows updated by ``flush()`` (see the module docstring)."""
+
+    in_transaction = False
+    STATE_TTL_S = 7 * 24 * 3600
+
+    def __init__(self, url: str, *, prefix: str = "ubk:hb"):
+        import redis
+
+        self.redis = redis.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=2,
+                                          health_check_interval=30)
+        self.prefix = prefix
+        self.DEADLINES = f"{prefix}:deadlines"
+        self.DIRTY = f"{prefix}:dirty"
+        self.FLUSHING = f"{prefix}:flushing"
+        self.FLUSH_LOCK = f"{prefix}:flush-lock"
+        self.FLUSH_DUE = f"{prefix}:flush-due"
+        self._record = self.redis.register_script(_RECORD_LUA)
+        self._take = self.redis.register_script(_TAKE_DIRTY_LUA)
+        self._forget = self.redis.register_script(_FORGET_LUA)
+
+    def state_key(self, job_id: int) -> str:
+        return f"{self.prefix}:job:{job_id}"
+
+    def record(self, job_id: int, states: dict[int, RankState], timeouts: Timeouts, *, now: datetime) -> None:
+        args: list = [job_id]
+        for s in states.values():
+            d = timeouts.deadline(s.phase, s.at)
+            args += (s.rank, repr(s.at), s.step, repr(s.step_since), "" if d is None else repr(d), s.pack_tail())
+        key = self.state_key(job_id)
+        pipe = self.redis.pipeline(transaction=False)
+        self._record(keys=[key, self.DEADLINES, self.DIRTY], args=args, client=pipe)
+        pipe.expire(key, self.STATE_TTL_S)
+        pipe.execute()
+
+    def flush(self, *, now: datetime | None = None) -> int:
+        """Write the dirty ranks' newest states into ``Rank`` rows and the jobs' progress.
+
+        1. Take a lock (one flusher at a time; it expires if this process dies).
+        2. Atomically rename the dirty set to the flushing set (or resume a flushing set left by a
+           flusher that died: the rows only move forward, so writing twice is harmless).
+        3. Read the states and upsert them, per job, in one transaction per job.
+        4. Delete the flushing set only after the commit; a crash before that repeats step 3.
+        """
+        from controlplane.jobs.models import Job
+
+        now = now or datetime.now(tz=UTC)
+        token = str(time.time())
+        if not self.redis.set(self.FLUSH_LOCK, token, nx=True, px=60_000):
+            return 0
+        try:
+            if not self._take(keys=[self.DIRTY, self.FLUSHING]):
+                return 0
+            by_job: dict[int, list[int]] = {}
+            for member in self.redis.sscan_iter(self.FLUSHING, count=10000):
+                j, r = member.split(b":")
+                by_job.setdefault(int(j), []).append(int(r))
+            specs = dict(Job.objects.filter(pk__in=list(by_job)).values_list("pk", "spec"))
+            n = 0
+            for job_id, ranks in by_job.items():
+                if job_id not in specs:
+                    self.drop_job(job_id)
+                    continue
+                states = self.freshest(job_id, ranks)
+                with transaction.atomic():
+                    n += upsert_ranks(job_id, states.values(), Timeouts.of(specs[job_id]), now=now)
+                    update_job_progress(job_id, states.values())
+            self.redis.delete(self.FLUSHING)
+            return n
+        finally:
+            # Release only our own lock.
+            if self.redis.get(self.FLUSH_LOCK) == token.encode():
+                self.redis.delete(self.FLUSH_LOCK)
+
+    def overdue(self, now: datetime, *, limit: int = 10000) -> list[tuple[int, int, float]]:
+        """(job_id, rank, deadline) of every rank whose deadline passed, oldest first."""
+        out = []
+        for member, score in self.redis.zrangebyscore(self.DEADLINES, "-inf", now.timestamp(), start=0,
+                                                      num=limit, withscores=True):
+            j, r = member.split(b":")
+            out.append((int(j), int(r), float(score)))
+        return out
+
+    def freshest(self, job_id: int, ranks: list[int]) -> dict[int, RankState]:
+        out: dict[int, RankState] = {}
+        key = self.state_key(job_id)
+        for i in range(0, len(ranks), 5000):
+            part = ranks[i:i + 5000]
+            for r, raw in zip(part, self.redis.hmget(key, part), strict=True):
+                if raw is not None:
+                    out[r] = RankState.unpack(r, raw)
+        return out
+
+    def forget(self, entries: list[tuple[int, int, float]]) -> None:
+        for i in range(0, len(entries), 2000):
+            args: list = []
+            for j, r, score in entries[i:i + 2000]:
+                args += (f"{j}:{r}", repr(score))
+            self._forget(keys=[self.DEADLINES], args=args)
+
+    def drop_job(self, job_id: int) -> None:
+        """Forget a job's heartbeat state (it finished or was deleted)."""
+        key = self.state_key(job_id)
+        ranks = [int(r) for r in self.redis.hkeys(key)]
+        for i in range(0, len(ranks), 5000):
+            self.redis.zrem(self.DEADLINES, *[f"{job_id}:{r}" for r in ranks[i:i + 5000]])
+        self.redis.delete(key)
+
+
+_store: HeartbeatStore | None = None
+_store_lock = threading.Lock()
+
+
+def get_store() -> HeartbeatStore:
+    """The process's store: Redis when ``REDIS_URL`` is set, else the database."""
+    global _store
+    if _store is None:
+        with _store_lock:
+            if _store is None:
+                url = getattr(settings, "REDIS_URL", "")
+                _store = RedisHeartbeatStore(url) if url else DbHeartbeatStore()
+    return _store
+
+
+def set_store(store: HeartbeatStore | None) -> None:
+    """Replace the process's store (tests; ``None`` = choose again from settings)."""
+    global _store
+    _store = store
+
+
+def flush_interval_s() -> float:
+    return float(getattr(settings, "HEARTBEAT_FLUSH_INTERVAL_S", 2.0))
+
+
+__all__ = ["DbHeartbeatStore", "HeartbeatStore", "RankState", "RedisHeartbeatStore", "Timeouts", "get_store",
+           "newest_per_rank", "set_store", "update_job_progress", "upsert_ranks", "utc"]

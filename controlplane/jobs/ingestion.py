@@ -1,0 +1,331 @@
+"""Facts in: store a validated batch (``trainer.wire.Batch``) and derive facts from its new events.
+
+Plain functions, no HTTP: ``check_batch`` completes validation (per-kind event data) and
+``record_batch`` writes. The ingest view is a thin adapter around them.
+
+1. Events are inserted with ``ON CONFLICT (job_id, event_id) DO NOTHING RETURNING event_id``; facts
+   are derived only from the rows this call inserted, so a retried or duplicated batch changes nothing.
+2. Derived facts are monotone, so out-of-order arrival does not matter: cycle marks keep the earliest
+   timestamp, checkpoint states only leave ``in_flight``, command acks only leave pending/delivered,
+   rank rows only move forward in heartbeat time.
+3. Everything for the database happens in ONE transaction. With the Redis heartbeat store, heartbeats
+   go to Redis after that commit; if Redis is unreachable they go to the database instead (a second
+   short transaction), so a Redis outage neither loses heartbeats nor blinds the watchdog.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from django.db import connection, transaction
+from django.db.models import Q
+
+from controlplane.jobs import heartbeats as hb_store
+from controlplane.jobs import notifications
+from controlplane.jobs.models import (
+    Checkpoint,
+    Command,
+    CommandStatus,
+    Event,
+    Fault,
+    Job,
+    JobStatus,
+    Notification,
+    RestartCycle,
+)
+from controlplane.jobs.services import set_status
+from trainer.wire import (
+    Batch,
+    CheckpointMode,
+    CheckpointState,
+    CycleMark,
+    EventKind,
+    FaultClass,
+    Layer,
+    Phase,
+    WireError,
+)
+
+log = logging.getLogger(__name__)
+
+_MARKS = frozenset(CycleMark)
+_FAULTS = frozenset(FaultClass)
+_LAYERS = frozenset(Layer)
+_CKPT_STATES = frozenset(CheckpointState)
+_CKPT_MODES = frozenset(CheckpointMode)
+_FINAL_CKPT = (CheckpointState.DURABLE, CheckpointState.FAILED, CheckpointState.ABANDONED)
+_OPEN_COMMANDS = (CommandStatus.PENDING, CommandStatus.DELIVERED)
+
+
+@dataclass(slots=True)
+class IngestResult:
+    heartbeats: int
+    events: int  # newly stored
+    duplicates: int  # already stored (a retry)
+
+    def to_wire(self) -> dict[str, int]:
+        return {"heartbeats": self.heartbeats, "events": self.events, "duplicates": self.duplicates}
+
+
+# --- validation of event data (the envelope is checked by wire.parse_batch) --------------------------
+
+
+def _want(data: dict, key: str, path: str, kinds: tuple[type, ...], *, required: bool = False,
+          choices: frozenset | None = None, max_len: int = 200) -> None:
+    v = data.get(key)
+    if v is None:
+        if required:
+            raise WireError("is required", f"{path}.data.{key}")
+        return
+    if type(v) not in kinds or (int in kinds and type(v) is int and v < 0):
+        names = {int: "a non-negative integer", float: "a number", str: "a string", bool: "true or false"}
+        raise WireError("must be " + " or ".join(names[k] for k in kinds if k in names), f"{path}.data.{key}")
+    if choices is not None and v not in choices:
+        raise WireError(f"must be one of {sorted(choices)}", f"{path}.data.{key}")
+    if type(v) is str and len(v) > max_len:
+        raise WireError(f"must be at most {max_len} characters", f"{path}.data.{key}")
+
+
+def check_batch(batch: Batch) -> None:
+    """Check each event's ``data`` for its kind; raise ``WireError`` naming the first bad field."""
+    for i, e in enumerate(batch.events):
+        path, d = f"events[{i}]", e.data
+        if e.kind == EventKind.CYCLE:
+            _want(d, "cycle", path, (str,), required=True, max_len=64)
+            if not d["cycle"]:
+                raise WireError("must not be empty", f"{path}.data.cycle")
+            _want(d, "mark", path, (str,), required=True, choices=_MARKS)
+            _want(d, "layer", path, (str,), choices=_LAYERS)
+            _want(d, "step", path, (int,))
+        elif e.kind == EventKind.FAULT:
+            _want(d, "fault", path, (str,), required=True, choices=_FAULTS)
+            _want(d, "cycle", path, (str,), max_len=64)
+            _want(d, "detected_by", path, (str,), max_len=40)
+            _want(d, "message", path, (str,), max_len=4096)
+            _want(d, "node", path, (str,), max_len=253)
+            _want(d, "step", path, (int,))
+        elif e.kind == EventKind.CHECKPOINT:
+            _want(d, "step", path, (int,), required=True)
+            _want(d, "state", path, (str,), required=True, choices=_CKPT_STATES)
+            _want(d, "mode", path, (str,), choices=_CKPT_MODES)
+            _want(d, "attempt_key", path, (str,), max_len=64)
+            for k in ("blocking_s", "write_s"):
+                _want(d, k, path, (int, float))
+            _want(d, "bytes", path, (int,))
+        elif e.kind == EventKind.COMMAND_ACK:
+            _want(d, "command_id", path, (int,), required=True)
+            _want(d, "ok", path, (bool,), required=True)
+            _want(d, "detail", path, (str,), max_len=4096)
+
+
+# --- writing -------------------------------------------------------------------------------------------
+
+
+def record_batch(job: Job, batch: Batch, *, now: datetime,
+                 store: hb_store.HeartbeatStore | None = None) -> IngestResult:
+    """Store ``batch`` for ``job`` (already authorised and validated by ``parse_batch``/``check_batch``)."""
+    store = store or hb_store.get_store()
+    timeouts = hb_store.Timeouts.of(job.spec)
+    states = hb_store.newest_per_rank(batch.heartbeats)
+    n_new = 0
+    with transaction.atomic():
+        if batch.events:
+            new = _insert_events(job, batch, now)
+            n_new = len(new)
+            if new:
+                apply_events(job, new, now=now)
+        if states:
+            if store.in_transaction:
+                store.record(job.pk, states, timeouts, now=now)
+            _maybe_running(job, states)
+    if states and not store.in_transaction:
+        try:
+            store.record(job.pk, states, timeouts, now=now)
+        except Exception as e:  # noqa: BLE001 - any store failure: keep the facts in the database instead
+            log.warning("heartbeat store failed (%s); writing job %s's heartbeats to the database", e, job.pk)
+            with transaction.atomic():
+                hb_store.DbHeartbeatStore().record(job.pk, states, timeouts, now=now)
+    return IngestResult(heartbeats=len(batch.heartbeats), events=n_new, duplicates=len(batch.events) - n_new)
+
+
+def _maybe_running(job: Job, states: dict[int, hb_store.RankState]) -> None:
+    """LAUNCHING -> RUNNING on the first train heartbeat (cheap: only while the job is launching)."""
+    if job.status in (JobStatus.PENDING, JobStatus.LAUNCHING) and any(
+            s.phase == Phase.TRAIN for s in states.values()):
+        set_status(job, JobStatus.RUNNING, "training", only_from=(JobStatus.PENDING, JobStatus.LAUNCHING))
+
+
+def _insert_events(job: Job, batch: Batch, now: datetime) -> list[Any]:
+    """Insert the batch's events; return those that were new (each retried id is skipped)."""
+    seen: set[str] = set()
+    events = []
+    for e in batch.events:  # one id twice in one batch: the first wins
+        if e.id not in seen:
+            seen.add(e.id)
+            events.append(e)
+    adapt = connection.ops.adapt_datetimefield_value
+    data_field = Event._meta.get_field("data")
+    received = adapt(now)
+    params: list = []
+    for e in events:
+        params += (job.pk, e.id, e.kind, e.rank, adapt(hb_store.utc(e.at)), received, batch.source,
+                   data_field.get_db_prep_save(e.data, connection))
+    sql = ("INSERT INTO jobs_event (job_id, event_id, kind, rank, at, received_at, source, data) VALUES "
+           + ", ".join(["(%s, %s, %s, %s, %s, %s, %s, %s)"] * len(events))
+           + " ON CONFLICT (job_id, event_id) DO NOTHING RETURNING event_id")
+    with connection.cursor() as cur:
+        cur.execute(sql, params)
+        inserted = {row[0] for row in cur.fetchall()}
+    return [e for e in events if e.id in inserted]
+
+
+def apply_events(job: Job, events: list[Any], *, now: datetime) -> None:
+    """Derive cycles, faults, checkpoints and command acks from newly stored events (in timestamp order)."""
+    events = sorted(events, key=lambda e: e.at)
+    by_kind: dict[str, list[Any]] = {}
+    for e in events:
+        by_kind.setdefault(e.kind, []).append(e)
+    cycles = _apply_cycles(job, by_kind.get(EventKind.CYCLE, []), by_kind.get(EventKind.FAULT, []), now)
+    _apply_faults(job, by_kind.get(EventKind.FAULT, []), cycles)
+    for e in by_kind.get(EventKind.CHECKPOINT, []):
+        _apply_checkpoint(job, e)
+    for e in by_kind.get(EventKind.COMMAND_ACK, []):
+        d = e.data
+        Command.objects.filter(job=job, pk=d["command_id"], status__in=_OPEN_COMMANDS).update(
+            status=CommandStatus.ACKED if d["ok"] else CommandStatus.FAILED, acked_at=hb_store.utc(e.at),
+            detail=str(d.get("detail") or "")[:2000])
+
+
+def _apply_cycles(job: Job, cycle_events: list[Any], fault_events: list[Any],
+                  now: datetime) -> dict[str, RestartCycle]:
+    """Upsert the cycles these events name; keep each mark's earliest time; move the job's status."""
+    marks: dict[str, dict[str, datetime]] = {}
+    layers: dict[str, str] = {}
+    resumed: dict[str, int] = {}
+    at_fault: dict[str, int] = {}
+    reasons: dict[str, str] = {}
+    for e in cycle_events:
+        key, mark, at = e.data["cycle"], e.data["mark"], hb_store.utc(e.at)
+        m = marks.setdefault(key, {})
+        if mark not in m or at < m[mark]:
+            m[mark] = at
+        if e.data.get("layer"):
+            layers.setdefault(key, e.data["layer"])
+        step = e.data.get("step")
+        if step is not None:
+            if mark in (CycleMark.CHECKPOINT_LOADED, CycleMark.RESTARTED):
+                resumed[key] = step if mark == CycleMark.CHECKPOINT_LOADED else resumed.get(key, step)
+            elif mark == CycleMark.FAULT:
+                at_fault.setdefault(key, step)
+    for e in fault_events:  # a fault names its cycle: the cycle exists and started no later than it
+        key = e.data.get("cycle")
+        if not key:
+            continue
+        marks.setdefault(key, {})
+        if e.data.get("step") is not None:
+            at_fault.setdefault(key, e.data["step"])
+        reasons.setdefault(key, f"{e.data['fault']}: {e.data.get('message') or ''}".strip(": ")[:200])
+    if not marks:
+        return {}
+    keys = sorted(marks)  # one lock order for concurrent writers
+    RestartCycle.objects.bulk_create(
+        [RestartCycle(job=job, key=k, layer=layers.get(k, Layer.NONE), step_at_fault=at_fault.get(k, job.last_step))
+         for k in keys], ignore_conflicts=True)
+    for k in keys:
+        qs = RestartCycle.objects.filter(job=job, key=k)
+        for mark, at in marks[k].items():
+            qs.filter(Q(**{f"{mark}__isnull": True}) | Q(**{f"{mark}__gt": at})).update(**{mark: at})
+        if k in layers:
+            qs.filter(layer=Layer.NONE).update(layer=layers[k])
+        if k in resumed:
+            qs.update(resumed_from_step=resumed[k])
+        if k in at_fault:
+            qs.filter(step_at_fault__isnull=True).update(step_at_fault=at_fault[k])
+        if k in reasons:
+            qs.filter(reason="").update(reason=reasons[k])
+    cycles = {c.key: c for c in RestartCycle.objects.filter(job=job, key__in=keys)}
+    _cycle_status(job, cycles, now)
+    return cycles
+
+
+def _cycle_status(job: Job, touched: dict[str, RestartCycle], now: datetime) -> None:
+    """RUNNING -> RECOVERING when a cycle opens; back to RUNNING when a cycle's first step lands and no
+    cycle that started later is still open. A late event of an old cycle moves nothing."""
+    closed = [c for c in touched.values() if c.first_step_at is not None]
+    opened = [c for c in touched.values() if c.first_step_at is None and c.start_at is not None]
+    if opened:
+        c = max(opened, key=lambda c: c.start_at)
+        superseded = RestartCycle.objects.filter(job=job, first_step_at__gt=c.start_at).exists()
+        if not superseded:
+            set_status(job, JobStatus.RECOVERING, f"restart cycle {c.key} ({c.layer})",
+                       only_from=(JobStatus.RUNNING,))
+    if closed:
+        c = max(closed, key=lambda c: c.first_step_at)
+        still_open = RestartCycle.objects.filter(job=job, first_step_at__isnull=True).exclude(pk=c.pk).filter(
+            Q(fault_at__gt=c.first_step_at) | Q(fault_at__isnull=True, detected_at__gt=c.first_step_at)
+            | Q(fault_at__isnull=True, detected_at__isnull=True, aborted_at__gt=c.first_step_at)
+            | Q(fault_at__isnull=True, detected_at__isnull=True, aborted_at__isnull=True,
+                restarted_at__gt=c.first_step_at)).exists()
+        if not still_open and set_status(job, JobStatus.RUNNING, f"recovered ({c.key}, {c.layer})",
+                                         only_from=(JobStatus.RECOVERING,)):
+            recovery = f" in {c.recovery_s:.1f} s" if c.recovery_s is not None else ""
+            notifications.enqueue(job, Notification.Transition.RECOVERED, f"recovered:{c.key}",
+                                  f"Job #{job.pk} {job.name} recovered{recovery} "
+                                  f"({c.layer} restart {c.key}); training continues.", now=now)
+
+
+def _apply_faults(job: Job, fault_events: list[Any], cycles: dict[str, RestartCycle]) -> None:
+    rows = []
+    for e in fault_events:
+        d = e.data
+        cycle = cycles.get(d.get("cycle") or "")
+        rank = e.rank if e.rank is not None else (d.get("rank") if type(d.get("rank")) is int else None)
+        at = hb_store.utc(e.at)
+        fault_at = cycle.fault_at if cycle is not None and cycle.fault_at and cycle.fault_at < at else at
+        rows.append(Fault(job=job, cycle=cycle, fault_class=d["fault"], rank=rank, node=d.get("node") or "",
+                          detected_by=(d.get("detected_by") or "trainer")[:40],
+                          message=(d.get("message") or "")[:4096], at=fault_at, detected_at=at,
+                          source_key=f"event:{e.id}"))
+    if rows:
+        Fault.objects.bulk_create(rows, ignore_conflicts=True)
+
+
+def _apply_checkpoint(job: Job, e: Any) -> None:
+    """in_flight -> durable | failed | abandoned, never back; the earliest start wins."""
+    d = e.data
+    at = hb_store.utc(e.at)
+    state = d["state"]
+    key = {"job": job, "step": d["step"], "attempt_key": d.get("attempt_key") or ""}
+    started = at
+    if state != CheckpointState.IN_FLIGHT and d.get("write_s") is not None:
+        started = hb_store.utc(e.at - float(d["write_s"]))
+    Checkpoint.objects.bulk_create([Checkpoint(**key, mode=d.get("mode") or CheckpointMode.ASYNC,
+                                               state=CheckpointState.IN_FLIGHT, started_at=started)],
+                                   ignore_conflicts=True)
+    qs = Checkpoint.objects.filter(**key)
+    qs.filter(started_at__gt=started).update(started_at=started)
+    if state in _FINAL_CKPT:
+        fields: dict[str, Any] = {"state": state, "finished_at": at}
+        for k in ("blocking_s", "write_s", "bytes"):
+            if d.get(k) is not None:
+                fields[k] = d[k]
+        if d.get("mode"):
+            fields["mode"] = d["mode"]
+        qs.filter(state=CheckpointState.IN_FLIGHT).update(**fields)
+
+
+# --- commands down ---------------------------------------------------------------------------------------
+
+
+def pending_commands(job_id: int, *, now: datetime) -> list[dict]:
+    """The job's trainer-bound commands not yet acknowledged, oldest first; marks first deliveries."""
+    cmds = list(Command.objects.filter(job_id=job_id, via_trainer=True, status__in=_OPEN_COMMANDS)
+                .order_by("issued_at", "id"))
+    fresh = [c.pk for c in cmds if c.status == CommandStatus.PENDING]
+    if fresh:
+        Command.objects.filter(pk__in=fresh, status=CommandStatus.PENDING).update(
+            status=CommandStatus.DELIVERED, delivered_at=now)
+    return [c.to_wire() for c in cmds]

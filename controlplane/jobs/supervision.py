@@ -1,0 +1,220 @@
+"""The watchdog: derive lost, stalled and restart-storm states from stored facts and ``now``.
+
+Every function here is safe to run in several workers at once: a state is claimed with a conditional
+UPDATE (``... WHERE lost_at IS NULL``), and the fault it produces has a unique ``source_key``, so two
+concurrent passes record one fault. A pass that dies half-way is simply repeated by the next one.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from datetime import datetime
+
+from django.db import connection, transaction
+from django.db.models import Count, F, Q
+from django.db.models.functions import Coalesce
+from django.utils import timezone
+
+from controlplane.jobs import heartbeats as hb_store
+from controlplane.jobs import notifications
+from controlplane.jobs.models import (
+    ACTIVE_STATUSES,
+    Fault,
+    Job,
+    JobStatus,
+    Notification,
+    Rank,
+    RestartCycle,
+)
+from controlplane.jobs.services import set_status
+from trainer.wire import FaultClass
+
+log = logging.getLogger(__name__)
+_CHUNK = 900  # ranks per claim statement (SQLite's variable limit is far above; keeps statements short)
+
+
+@dataclass(slots=True)
+class WatchdogResult:
+    lost: int = 0
+    stalled: int = 0
+    storms: int = 0
+
+
+def run_watchdog(now: datetime | None = None, *, store: hb_store.HeartbeatStore | None = None) -> WatchdogResult:
+    now = now or timezone.now()
+    return WatchdogResult(lost=mark_overdue(now, store=store), stalled=mark_stalled(now), storms=stop_storms(now))
+
+
+def _claim(column: str, job_id: int, ranks: list[int], now: datetime, condition: str) -> list[int]:
+    """``UPDATE jobs_rank SET <column> = now WHERE ... AND <condition> RETURNING rank``: the ranks this
+    caller claimed (a concurrent caller blocks on the row lock, then sees the column set: 0 rows)."""
+    now_p = connection.ops.adapt_datetimefield_value(now)
+    out: list[int] = []
+    with connection.cursor() as cur:
+        for i in range(0, len(ranks), _CHUNK):
+            part = ranks[i:i + _CHUNK]
+            cur.execute(f"UPDATE jobs_rank SET {column} = %s WHERE job_id = %s AND rank IN "
+                        f"({', '.join(['%s'] * len(part))}) AND {condition} RETURNING rank",
+                        [now_p, job_id, *part, now_p])
+            out += [r[0] for r in cur.fetchall()]
+    return out
+
+
+def mark_overdue(now: datetime | None = None, *, store: hb_store.HeartbeatStore | None = None) -> int:
+    """Record a ``heartbeat_lost`` fault, once, for every rank of an active job past its deadline.
+
+    1. Candidates: the heartbeat store's deadline index (Redis: fresh to the last batch) and the
+       database rows (``Rank.objects.overdue``: covers the database store, Redis restarts, fallbacks).
+    2. Per job, write the store's freshest state of the candidates into their rows (only forward in
+       time), so a rank that beat after the last flush is not claimed.
+    3. Claim ``lost_at`` with a conditional UPDATE; insert one fault per claimed rank (``source_key`` =
+       rank + deadline); both in one transaction.
+    4. After the commit, drop the handled entries from the store's index (only if unchanged since read).
+    Returns the number of ranks this call marked lost.
+    """
+    now = now or timezone.now()
+    store = store or hb_store.get_store()
+    try:
+        indexed = store.overdue(now)
+    except Exception as e:  # noqa: BLE001 - a Redis outage: the database scan below still works
+        log.warning("watchdog: heartbeat store unavailable (%s); using the database only", e)
+        indexed = []
+    by_job: dict[int, set[int]] = {}
+    for j, r, _ in indexed:
+        by_job.setdefault(j, set()).add(r)
+    for j, r in Rank.objects.overdue(now).values_list("job_id", "rank")[:10000]:
+        by_job.setdefault(j, set()).add(r)
+    if not by_job:
+        return 0
+    jobs = {j.pk: j for j in Job.objects.filter(pk__in=list(by_job))}
+    handled: set[int] = set()
+    n = 0
+    for job_id in sorted(by_job):
+        job = jobs.get(job_id)
+        if job is None or not job.is_active:
+            try:
+                store.drop_job(job_id)
+            except Exception:  # noqa: BLE001
+                log.warning("watchdog: could not drop heartbeat state of job %s", job_id, exc_info=True)
+            continue
+        try:
+            n += _mark_job_lost(job, sorted(by_job[job_id]), now, store)
+            handled.add(job_id)
+        except Exception:  # one job's failure must not stop the others' detection
+            log.exception("watchdog: marking lost ranks of job %s failed", job_id)
+    entries = [e for e in indexed if e[0] in handled]
+    if entries:
+        try:
+            store.forget(entries)
+        except Exception:  # noqa: BLE001 - the next pass sees them again; claims make that harmless
+            log.warning("watchdog: could not forget handled deadlines", exc_info=True)
+    return n
+
+
+def _mark_job_lost(job: Job, ranks: list[int], now: datetime, store: hb_store.HeartbeatStore) -> int:
+    fresh = store.freshest(job.pk, ranks)
+    timeouts = hb_store.Timeouts.of(job.spec)
+    with transaction.atomic():
+        if fresh:
+            hb_store.upsert_ranks(job.pk, fresh.values(), timeouts, now=now)
+        claimed = _claim("lost_at", job.pk, ranks, now, "lost_at IS NULL AND stale_at < %s")
+        if not claimed:
+            return 0
+        rows = []
+        for r in Rank.objects.filter(job=job, rank__in=claimed):
+            age = (now - r.last_heartbeat_at).total_seconds() if r.last_heartbeat_at else 0.0
+            rows.append(Fault(
+                job=job, fault_class=FaultClass.HEARTBEAT_LOST, rank=r.rank, node=r.node, detected_by="watchdog",
+                message=f"no heartbeat from rank {r.rank} for {age:.1f} s (phase {r.phase}, "
+                        f"deadline {r.stale_at.isoformat() if r.stale_at else '-'})",
+                at=r.last_heartbeat_at or now, detected_at=now,
+                source_key=f"heartbeat_lost:{r.rank}:{int(r.stale_at.timestamp() * 1000) if r.stale_at else 0}"))
+        Fault.objects.bulk_create(rows, ignore_conflicts=True)
+    log.warning("job %s: %d rank(s) lost (first: %s)", job.pk, len(claimed), sorted(claimed)[:5])
+    return len(claimed)
+
+
+def mark_stalled(now: datetime | None = None) -> int:
+    """Ranks that keep beating while their step does not move for ``stall_timeout_s``: a ``stalled``
+    fault once per rank and stuck step, and one notification per job and stall.
+
+    Reads ``Rank`` rows, so with the Redis store it lags by one flush interval (seconds, against a
+    stall timeout of minutes)."""
+    now = now or timezone.now()
+    by_job: dict[int, list[int]] = {}
+    for j, r in Rank.objects.stalled(now).values_list("job_id", "rank")[:10000]:
+        by_job.setdefault(j, []).append(r)
+    n = 0
+    for job_id, ranks in sorted(by_job.items()):
+        with transaction.atomic():
+            claimed = _claim("stalled_at", job_id, sorted(ranks), now,
+                             "stalled_at IS NULL AND lost_at IS NULL AND stall_at < %s")
+            if not claimed:
+                continue
+            job = Job.objects.get(pk=job_id)
+            rows = []
+            for r in Rank.objects.filter(job_id=job_id, rank__in=claimed):
+                since = r.step_changed_at or now
+                rows.append(Fault(
+                    job=job, fault_class=FaultClass.STALLED, rank=r.rank, node=r.node, detected_by="watchdog",
+                    message=f"rank {r.rank} is alive but has been at step {r.last_step} for "
+                            f"{(now - since).total_seconds():.0f} s (phase {r.phase})",
+                    at=since, detected_at=now,
+                    source_key=f"stalled:{r.rank}:{int(since.timestamp() * 1000)}"))
+            Fault.objects.bulk_create(rows, ignore_conflicts=True)
+            step = min(r.last_step for r in Rank.objects.filter(job_id=job_id, rank__in=claimed))
+            progress = job.last_progress_at.timestamp() if job.last_progress_at else 0.0
+            notifications.enqueue(
+                job, Notification.Transition.STALLED, f"stalled:{progress:.3f}",
+                f"Job #{job.pk} {job.name} is stalled: {len(claimed)} rank(s) alive but stuck at step {step} "
+                f"for over {float(job.spec.get('stall_timeout_s', 120.0)):.0f} s.", now=now)
+        n += len(claimed)
+    return n
+
+
+def stop_storms(now: datetime | None = None) -> int:
+    """K restart cycles (``spec.storm_restarts``) started since the job last made step progress (its
+    ``max_step`` last grew): fail the job with a reason and ask the launcher to stop it. Returns the
+    number of jobs stopped."""
+    now = now or timezone.now()
+    start = Coalesce("fault_at", "detected_at", "aborted_at", "restarted_at", "checkpoint_loaded_at", "first_step_at")
+    counts = (RestartCycle.objects.filter(job__status__in=(JobStatus.RUNNING, JobStatus.RECOVERING))
+              .annotate(start=start)
+              .filter(start__isnull=False)
+              .filter(Q(job__last_progress_at__isnull=True) | Q(start__gt=F("job__last_progress_at")))
+              .values("job").annotate(n=Count("id")).values_list("job", "n"))
+    stopped = 0
+    for job_id, count in counts:
+        job = Job.objects.get(pk=job_id)
+        limit = int(job.spec.get("storm_restarts", 5))
+        if count < limit:
+            continue
+        reason = (f"restart storm: {count} restarts without step progress past step {job.max_step} "
+                  f"(storm_restarts={limit})")
+        with transaction.atomic():
+            if not set_status(job, JobStatus.FAILED, reason, only_from=(JobStatus.RUNNING, JobStatus.RECOVERING)):
+                continue
+            notifications.enqueue(job, Notification.Transition.STORM, "storm",
+                                  f"Job #{job.pk} {job.name} stopped: {reason}.", now=now)
+            transaction.on_commit(lambda job_id=job.pk: request_stop(job_id))
+        log.error("job %s: %s", job.pk, reason)
+        stopped += 1
+    return stopped
+
+
+def request_stop(job_id: int) -> None:
+    """Ask the launcher to end the job's processes (its task; guarded until the launcher app has it)."""
+    try:
+        from controlplane.launchers.tasks import stop
+    except ImportError:
+        log.error("job %s: cannot ask the launcher to stop it (controlplane.launchers.tasks.stop missing)", job_id)
+        return
+    try:
+        stop.delay(job_id, None)
+    except Exception:  # noqa: BLE001 - the broker is down; the launcher's supervise pass sees a FAILED job
+        log.exception("job %s: could not enqueue the launcher stop", job_id)
+
+
+__all__ = ["ACTIVE_STATUSES", "WatchdogResult", "mark_overdue", "mark_stalled", "request_stop", "run_watchdog",
+           "stop_storms"]
