@@ -1,0 +1,146 @@
+"""The new-job form: one field per JobSpec field; JobSpec itself validates (SpecError.errors names fields).
+
+Drills are one per line as ``step:fault:rank`` (``Drill.as_flag``); Kubernetes settings live in
+their own fieldset, used (and validated) only when that backend is chosen.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import fields as dc_fields
+
+from django import forms
+
+from controlplane.jobs.spec import BACKENDS, CHECKPOINT_MODES, DEMO_SPEC, PRESETS, JobSpec, KubernetesSpec, SpecError
+from trainer.wire import DrillFault
+
+K8S_PREFIX = "k8s_"
+
+# Presets shown as buttons above the form: name -> (label, description, spec overrides).
+PRESET_CHOICES = {
+    "demo": ("Demo", "2 ranks on this machine's CPU, with a fault drill (an exception at step 60 on rank 1, "
+                     "a SIGKILL at step 150 on rank 0)", DEMO_SPEC),
+    "cpu-small": ("Small, no drills", "2 ranks on CPU, the small model, 600 steps", JobSpec(preset="small", steps=600)),
+    "k8s-1b": ("Kubernetes 1B", "2 nodes × 8 GPUs on Kubernetes, sync-free async checkpoints",
+               JobSpec(backend="kubernetes", nodes=2, procs_per_node=8, preset="1b", steps=5000,
+                       checkpoint_interval=100, kubernetes=KubernetesSpec())),
+}
+
+
+class JobForm(forms.Form):
+    name = forms.CharField(max_length=100, initial="demo")
+    backend = forms.ChoiceField(choices=[(b, b) for b in BACKENDS])
+    nodes = forms.IntegerField(min_value=1)
+    procs_per_node = forms.IntegerField(min_value=1, label="Processes per node")
+    preset = forms.ChoiceField(choices=[(p, p) for p in PRESETS], label="Model preset")
+    steps = forms.IntegerField(min_value=1)
+    checkpoint_interval = forms.IntegerField(min_value=1, help_text="steps between checkpoints")
+    checkpoint_mode = forms.ChoiceField(choices=[(m, m) for m in CHECKPOINT_MODES])
+    keep_checkpoints = forms.IntegerField(min_value=1)
+    in_process = forms.BooleanField(required=False, label="In-process restarts (NVRx Wrapper)")
+    in_job = forms.BooleanField(required=False, label="In-job restarts (ft_launcher)")
+    job_restart = forms.BooleanField(required=False, label="Job-level restarts (new processes / pods)")
+    max_in_process_restarts = forms.IntegerField(min_value=0)
+    max_in_job_restarts = forms.IntegerField(min_value=0)
+    max_job_restarts = forms.IntegerField(min_value=0)
+    heartbeat_interval_s = forms.FloatField(label="Heartbeat interval (s)")
+    step_timeout_s = forms.FloatField(label="Step timeout (s)")
+    checkpoint_timeout_s = forms.FloatField(label="Checkpoint timeout (s)")
+    stall_timeout_s = forms.FloatField(label="Stall timeout (s)", help_text="heartbeats arrive but the step does not move")
+    storm_restarts = forms.IntegerField(min_value=1, help_text="restarts without step progress before the job is stopped")
+    drills = forms.CharField(
+        required=False, widget=forms.Textarea(attrs={"rows": 3}),
+        help_text="one per line: step:fault:rank, fault one of " + ", ".join(f.value for f in DrillFault))
+    notify_webhook_url = forms.URLField(required=False, label="Webhook URL (notifications)")
+    notify_email = forms.EmailField(required=False, label="Email (notifications)")
+    # Kubernetes
+    k8s_namespace = forms.CharField(required=False, label="Namespace")
+    k8s_image = forms.CharField(required=False, label="Image")
+    k8s_gpus_per_node = forms.IntegerField(required=False, min_value=0, label="GPUs per node")
+    k8s_efa_per_node = forms.IntegerField(required=False, min_value=0, label="EFA devices per node")
+    k8s_checkpoint_claim = forms.CharField(required=False, label="Checkpoint PVC")
+    k8s_node_selector = forms.CharField(required=False, widget=forms.Textarea(attrs={"rows": 2}),
+                                        label="Node selector", help_text="one key=value per line")
+    k8s_tolerations = forms.CharField(required=False, widget=forms.Textarea(attrs={"rows": 2}),
+                                      label="Tolerations", help_text='JSON list, e.g. [{"key": "nvidia.com/gpu", '
+                                                                     '"operator": "Exists", "effect": "NoSchedule"}]')
+    k8s_use_jobset = forms.BooleanField(required=False, label="Use JobSet (else an Indexed Job)")
+
+    SPEC_FIELDS = tuple(f.name for f in dc_fields(JobSpec) if f.name not in ("drills", "kubernetes"))
+    K8S_FIELDS = tuple(f.name for f in dc_fields(KubernetesSpec))
+
+    @classmethod
+    def initial_for(cls, spec: JobSpec, name: str) -> dict:
+        data = {k: getattr(spec, k) for k in cls.SPEC_FIELDS}
+        data["name"] = name
+        data["drills"] = "\n".join(d.as_flag() for d in spec.drills)
+        k8s = spec.kubernetes or KubernetesSpec()
+        for k in cls.K8S_FIELDS:
+            v = getattr(k8s, k)
+            if k == "node_selector":
+                v = "\n".join(f"{a}={b}" for a, b in v.items())
+            elif k == "tolerations":
+                v = json.dumps(v) if v else ""
+            data[K8S_PREFIX + k] = v
+        return data
+
+    def clean(self):
+        cleaned = super().clean()
+        if self.errors:
+            return cleaned
+        try:
+            self.spec = JobSpec.from_dict(self._spec_dict(cleaned))
+        except SpecError as e:
+            for key, msg in e.errors.items():
+                self.add_error(self._field_for(key), msg)
+        return cleaned
+
+    def _spec_dict(self, c: dict) -> dict:
+        data = {k: c[k] for k in self.SPEC_FIELDS}
+        drills = []
+        for i, line in enumerate(x.strip() for x in (c.get("drills") or "").splitlines()):
+            if not line:
+                continue
+            parts = line.split(":")
+            if len(parts) != 3:
+                raise SpecError({f"drills[{i}]": f"line {i + 1}: write step:fault:rank, e.g. 60:exception:1"})
+            try:
+                drills.append({"step": int(parts[0]), "fault": parts[1].strip(), "rank": int(parts[2])})
+            except ValueError:
+                raise SpecError({f"drills[{i}]": f"line {i + 1}: step and rank must be integers"}) from None
+        data["drills"] = drills
+        if c["backend"] == "kubernetes":
+            k8s = {}
+            for k in self.K8S_FIELDS:
+                v = c.get(K8S_PREFIX + k)
+                if k == "node_selector":
+                    pairs = {}
+                    for line in (v or "").splitlines():
+                        if line.strip():
+                            if "=" not in line:
+                                raise SpecError({"kubernetes.node_selector": f"{line.strip()!r}: write key=value"})
+                            a, b = line.split("=", 1)
+                            pairs[a.strip()] = b.strip()
+                    v = pairs
+                elif k == "tolerations":
+                    try:
+                        v = json.loads(v) if v and v.strip() else []
+                    except json.JSONDecodeError as e:
+                        raise SpecError({"kubernetes.tolerations": f"not valid JSON: {e.msg}"}) from None
+                    if not isinstance(v, list):
+                        raise SpecError({"kubernetes.tolerations": "must be a JSON list of objects"})
+                elif v in (None, ""):
+                    continue  # the KubernetesSpec default
+                k8s[k] = v
+            data["kubernetes"] = k8s
+        return data
+
+    def _field_for(self, key: str) -> str | None:
+        if key.startswith("drills"):
+            return "drills"
+        if key.startswith("kubernetes."):
+            name = K8S_PREFIX + key.split(".", 1)[1]
+            return name if name in self.fields else None
+        if key == "kubernetes":
+            return None
+        return key if key in self.fields else None

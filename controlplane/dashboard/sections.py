@@ -1,0 +1,339 @@
+"""What each part of the job page shows, and a cheap signature per part for cursor polling.
+
+A page polls ``live`` with the signatures it has; the server recomputes them (a handful of indexed
+aggregates, no row scans of the event log) and names only the parts whose signature moved, which
+the page then fetches from their own fragment endpoints. Nothing unchanged is re-sent.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from datetime import datetime, timedelta
+
+from django.core.paginator import Paginator
+from django.db.models import Count, Max, Q
+
+from controlplane.dashboard import charts
+from controlplane.dashboard.timeline import job_spans, rank_spans, ts
+from controlplane.jobs.goodput import PARTS
+from controlplane.jobs.models import (
+    AuditEntry,
+    Checkpoint,
+    Command,
+    Fault,
+    Job,
+    Rank,
+    RestartCycle,
+)
+from trainer.wire import CheckpointState, Layer
+
+FOLLOW_WINDOW_S = 600.0
+FAULTS_PER_PAGE = 25
+JOB_SECTIONS = ("header", "timeline", "checkpoints", "faults", "goodput", "ranks", "progress", "commands",
+                "audit", "log")
+
+
+def _sig(*parts) -> str:
+    return hashlib.blake2s(repr(parts).encode(), digest_size=6).hexdigest()
+
+
+# -- signatures --------------------------------------------------------------------------------------
+
+
+def job_signatures(job: Job, now: datetime) -> dict[str, str]:
+    cyc = RestartCycle.objects.filter(job=job).aggregate(
+        n=Count("id"), m=Max("id"), d=Count("detected_at"), a=Count("aborted_at"), r=Count("restarted_at"),
+        lo=Count("checkpoint_loaded_at"), f=Count("first_step_at"), rs=Count("resumed_from_step"))
+    flt = Fault.objects.filter(job=job).aggregate(n=Count("id"), m=Max("id"))
+    ck = Checkpoint.objects.filter(job=job).aggregate(
+        n=Count("id"), m=Max("id"), d=Count("id", filter=Q(state=CheckpointState.DURABLE)),
+        x=Count("id", filter=Q(state__in=(CheckpointState.FAILED, CheckpointState.ABANDONED))))
+    rk = Rank.objects.filter(job=job).aggregate(
+        hb=Max("last_heartbeat_at"), lost=Count("lost_at"), stl=Count("stalled_at"), st=Max("step_changed_at"))
+    cmd = Command.objects.filter(job=job).aggregate(
+        n=Count("id"), m=Max("id"), done=Count("acked_at"), dl=Count("delivered_at"))
+    aud = AuditEntry.objects.filter(job=job).aggregate(m=Max("id"))
+    status = (job.status, job.status_reason, job.status_changed_at, job.attempt, job.first_step_at,
+              job.finished_at)
+    cyc_s, flt_s, ck_s = tuple(cyc.values()), tuple(flt.values()), tuple(ck.values())
+    rank_health = (rk["lost"], rk["stl"])
+    # Parts that move with time alone (goodput of a running job) refresh at most every 5 s.
+    tick = int(now.timestamp() // 5) if job.is_active else 0
+    return {
+        "header": _sig(status, job.last_step, tick),
+        "timeline": _sig(status, cyc_s, flt_s, ck_s, rank_health, tuple(cmd.values())),
+        "checkpoints": _sig(ck_s),
+        "faults": _sig(flt_s, cyc_s),
+        "goodput": _sig(status, cyc_s, ck_s, job.last_step, tick),
+        "ranks": _sig(tuple(rk.values())),
+        "progress": _sig(ck_s, cyc_s, tick),
+        "commands": _sig(tuple(cmd.values())),
+        "audit": _sig(aud["m"]),
+        "log": _sig(log_stat(job)),
+    }
+
+
+def log_stat(job: Job) -> tuple:
+    path = (job.launcher_state or {}).get("log") if job.backend == "local" else None
+    if not path:
+        return ()
+    try:
+        st = os.stat(path)
+    except OSError:
+        return ()
+    return (st.st_size, st.st_mtime_ns)
+
+
+def jobs_signature(jobs: list[Job]) -> str:
+    ids = [j.pk for j in jobs]
+    extra = (
+        Fault.objects.filter(job_id__in=ids).aggregate(m=Max("id"))["m"],
+        RestartCycle.objects.filter(job_id__in=ids).aggregate(m=Max("id"), f=Count("first_step_at")),
+        Checkpoint.objects.filter(job_id__in=ids, state=CheckpointState.DURABLE).aggregate(m=Max("id"))["m"],
+    )
+    return _sig([(j.pk, j.status, j.status_reason, j.last_step, j.status_changed_at) for j in jobs], extra)
+
+
+# -- job list ------------------------------------------------------------------------------------------
+
+
+def job_rows(jobs: list[Job], now: datetime) -> list[dict]:
+    ids = [j.pk for j in jobs]
+    restarts: dict[int, dict[str, int]] = {}
+    for job_id, layer, n in (RestartCycle.objects.filter(job_id__in=ids).values_list("job_id", "layer")
+                             .annotate(n=Count("id"))):
+        restarts.setdefault(job_id, {})[layer] = n
+    durable = dict(Checkpoint.objects.filter(job_id__in=ids, state=CheckpointState.DURABLE)
+                   .values_list("job_id").annotate(m=Max("finished_at")))
+    rows = []
+    for j in jobs:
+        steps = int(j.spec.get("steps") or 0)
+        by_layer = restarts.get(j.pk, {})
+        rows.append({
+            "job": j,
+            "steps": steps,
+            "progress_pct": min(100, round(100 * j.last_step / steps)) if steps else 0,
+            "restarts": [(charts.LAYER_NAMES[k], by_layer.get(k, 0)) for k in (Layer.IN_PROCESS, Layer.IN_JOB, Layer.JOB)],
+            "goodput": j.goodput(now)["goodput"],
+            "last_durable_at": durable.get(j.pk),
+        })
+    return rows
+
+
+# -- job page parts ----------------------------------------------------------------------------------
+
+
+def job_bounds(job: Job, now: datetime) -> tuple[float, float]:
+    start = (job.started_at or job.created_at).timestamp()
+    end = (job.finished_at or now).timestamp()
+    return start, max(start, end)
+
+
+def lanes_for(job: Job, now: datetime) -> list[dict]:
+    ranks = {r.rank: r for r in Rank.objects.filter(job=job)}
+    lanes = []
+    for i in sorted(set(range(job.world_size)) | set(ranks)):
+        r = ranks.get(i)
+        lanes.append({"rank": i, "node": r.node if r else "", "row": r})
+    lanes.sort(key=lambda ln: (ln["node"], ln["rank"]))
+    return lanes
+
+
+def _cycle_dicts(job: Job) -> list[dict]:
+    out = []
+    for c in RestartCycle.objects.filter(job=job):
+        out.append({
+            "id": c.pk, "key": c.key, "layer": c.layer, "reason": c.reason,
+            "fault_at": ts(c.fault_at), "detected_at": ts(c.detected_at), "aborted_at": ts(c.aborted_at),
+            "restarted_at": ts(c.restarted_at), "checkpoint_loaded_at": ts(c.checkpoint_loaded_at),
+            "first_step_at": ts(c.first_step_at), "start": ts(c.start_at), "durations": c.durations(),
+            "recovery_s": c.recovery_s, "lost_steps": c.lost_steps,
+        })
+    return out
+
+
+def timeline_part(job: Job, now: datetime, *, start: float | None = None, end: float | None = None,
+                  follow: bool = False) -> dict:
+    job_start, job_end = job_bounds(job, now)
+    is_open = job.finished_at is None
+    if follow or start is None or end is None:
+        if follow and is_open:
+            span = (end - start) if (start is not None and end is not None and end > start) else FOLLOW_WINDOW_S
+            t1 = job_end + 2.0
+            t0 = max(job_start - 2.0, t1 - span)
+        else:
+            pad = max(2.0, (job_end - job_start) * 0.01)
+            t0, t1 = job_start - pad, job_end + pad
+    else:
+        t0, t1 = start, end
+    t0, t1 = min(t0, t1 - 1.0), max(t1, t0 + 1.0)
+    lanes = lanes_for(job, now)
+    cycles = _cycle_dicts(job)
+    margin = timedelta(minutes=10)
+    lo = datetime.fromtimestamp(t0, tz=now.tzinfo) - margin
+    hi = datetime.fromtimestamp(t1, tz=now.tzinfo)
+    ck = [{"started_at": ts(a), "finished_at": ts(b), "blocking_s": bl, "mode": m, "state": s, "step": st}
+          for a, b, bl, m, s, st in Checkpoint.objects.filter(job=job, started_at__gte=lo, started_at__lte=hi)
+          .values_list("started_at", "finished_at", "blocking_s", "mode", "state", "step")]
+    faults = [{"at": ts(f.at), "detected_at": ts(f.detected_at), "rank": f.rank, "node": f.node,
+               "fault_class": f.fault_class, "cycle_id": f.cycle_id, "detected_by": f.detected_by,
+               "message": f.message, "detection_s": f.detection_s}
+              for f in Fault.objects.filter(job=job, at__lte=hi).order_by("at", "id")]
+    ranks = [{"rank": ln["rank"], "health": ln["row"].health_at(now) if ln["row"] else "ok",
+              "last_heartbeat_at": ts(ln["row"].last_heartbeat_at) if ln["row"] else None,
+              "step_changed_at": ts(ln["row"].step_changed_at) if ln["row"] else None} for ln in lanes]
+    if not job.is_active:
+        ranks = []  # a finished job's ranks are stopped, not dead
+    end_ts = job_end
+    spans = job_spans(start=job_start, first_step=ts(job.first_step_at), end=end_ts, is_open=is_open,
+                      cycles=cycles, checkpoints=ck)
+    spans += rank_spans(end=end_ts, is_open=is_open, faults=faults, cycles_by_id={c["id"]: c for c in cycles},
+                        ranks=ranks)
+    commands = [{"issued_at": ts(c.issued_at), "summary": command_summary(c),
+                 "by": c.issued_by.get_username() if c.issued_by else "system", "status": c.status}
+                for c in Command.objects.filter(job=job, issued_at__gte=lo, issued_at__lte=hi)
+                .select_related("issued_by")]
+    fig = charts.timeline_figure(lanes=lanes, spans=spans, faults=faults, cycles=cycles, commands=commands,
+                                 t0=t0, t1=t1, now=now.timestamp())
+    fig["follow"] = bool(follow and is_open)
+    fig["active"] = is_open
+    return fig
+
+
+def command_summary(c: Command) -> str:
+    if c.kind == "restart":
+        return f"restart ({charts.LAYER_NAMES.get(c.level, c.level)})" + (f" rank {c.rank}" if c.rank is not None else "")
+    if c.kind == "inject_fault":
+        return f"inject {c.fault} into rank {c.rank}"
+    return c.kind
+
+
+def checkpoint_part(job: Job) -> dict:
+    rows = []
+    for started_at, finished_at, blocking_s, write_s, nbytes, mode, state, step in (
+            Checkpoint.objects.filter(job=job).order_by("started_at")
+            .values_list("started_at", "finished_at", "blocking_s", "write_s", "bytes", "mode", "state", "step")):
+        elapsed = (finished_at - started_at).total_seconds() if finished_at else None
+        rows.append({
+            "started_at": started_at.timestamp(), "step": step, "mode": mode, "state": state,
+            "blocking_s": blocking_s, "elapsed_s": elapsed,
+            "durable_s": elapsed if state == CheckpointState.DURABLE else None,
+            "mb_per_s": (nbytes / write_s / 1e6) if nbytes and write_s else None,
+        })
+    counts = {s.value: 0 for s in CheckpointState}
+    for r in rows:
+        counts[r["state"]] = counts.get(r["state"], 0) + 1
+    return {"chart": charts.checkpoint_figure(rows), "counts": counts,
+            "recent": list(reversed(rows[-8:]))}
+
+
+FAULT_FILTERS = ("fault_class", "layer", "rank")
+
+
+def faults_part(job: Job, params) -> dict:
+    qs = Fault.objects.filter(job=job).select_related("cycle").order_by("-at", "-id")
+    chosen = {k: params.get(k, "") for k in FAULT_FILTERS}
+    if chosen["fault_class"]:
+        qs = qs.filter(fault_class=chosen["fault_class"])
+    if chosen["layer"]:
+        qs = qs.filter(cycle__layer=chosen["layer"])
+    if chosen["rank"] not in ("", None):
+        try:
+            qs = qs.filter(rank=int(chosen["rank"]))
+        except ValueError:
+            chosen["rank"] = ""
+    page = Paginator(qs, FAULTS_PER_PAGE).get_page(params.get("page"))
+    rows = []
+    for f in page.object_list:
+        c = f.cycle
+        rows.append({
+            "f": f, "layer": charts.LAYER_NAMES.get(c.layer, c.layer) if c else "",
+            "detection": charts.fmt_s(c.detection_s if c and c.detection_s is not None else f.detection_s),
+            "recovery": charts.fmt_s(c.recovery_s) if c and c.recovery_s is not None else ("in progress" if c else "–"),
+            "lost": f.lost_steps if f.lost_steps is not None else (c.lost_steps if c else None),
+        })
+    classes = sorted(set(Fault.objects.filter(job=job).values_list("fault_class", flat=True).distinct()))
+    return {"page": page, "rows": rows, "chosen": chosen, "classes": classes,
+            "layers": [(v.value, charts.LAYER_NAMES[v.value]) for v in Layer], "ranks": range(job.world_size)}
+
+
+GOODPUT_LABELS = {
+    "productive": "productive steps", "checkpoint_blocking": "checkpoint blocking", "recovery": "recovery",
+    "lost_work": "lost work (recomputed steps)", "startup": "startup", "idle": "idle",
+}
+GOODPUT_COLORS = {"productive": "#59a14f", "checkpoint_blocking": "#4e79a7", "recovery": "#f28e2b",
+                  "lost_work": "#e15759", "startup": "#bab0ac", "idle": "#d4d4d4"}
+
+
+def goodput_part(job: Job, now: datetime) -> dict:
+    g = job.goodput(now)
+    parts = [{"key": k, "label": GOODPUT_LABELS[k], "share": g[k], "pct": round(100 * g[k], 1),
+              "seconds": charts.fmt_s(g[f"{k}_s"]), "color": GOODPUT_COLORS[k]} for k in PARTS]
+    fig = {"figure": {"data": [
+        {"type": "bar", "orientation": "h", "name": p["label"], "y": ["wall time"], "x": [round(100 * p["share"], 3)],
+         "marker": {"color": p["color"]}, "hovertemplate": f"{p['label']}: %{{x:.1f}}% ({p['seconds']})<extra></extra>"}
+        for p in parts], "layout": {
+            **charts.BASE_LAYOUT, "barmode": "stack", "height": 150, "uirevision": "goodput",
+            "xaxis": {"range": [0, 100], "title": {"text": "% of wall time"}, "fixedrange": True},
+            "yaxis": {"fixedrange": True, "showticklabels": False},
+            "legend": {"orientation": "h", "y": -0.6}, "margin": {"l": 10, "r": 10, "t": 5, "b": 40}}}}
+    return {"g": g, "parts": parts, "wall": charts.fmt_s(g["wall_s"]), "goodput_pct": round(100 * g["goodput"], 1),
+            "chart": fig}
+
+
+def ranks_part(job: Job, now: datetime) -> dict:
+    lanes = lanes_for(job, now)
+    rows = []
+    for ln in lanes:
+        r = ln["row"]
+        if r is None:
+            rows.append({"rank": ln["rank"], "node": "", "health": "unknown", "age": None, "hb_at": None})
+            continue
+        rows.append({"rank": r.rank, "node": r.node, "health": r.health_at(now) if job.is_active else "stopped",
+                     "age": r.heartbeat_age_s(now), "hb_at": ts(r.last_heartbeat_at), "phase": r.phase,
+                     "step": r.last_step, "loss": r.loss, "step_time_s": r.step_time_s,
+                     "tokens_per_s": r.tokens_per_s, "pid": r.pid})
+    return {"rows": rows, "now": now.timestamp()}
+
+
+def progress_part(job: Job, now: datetime) -> dict:
+    points: list[tuple[float, int]] = []
+    if job.first_step_at:
+        points.append((job.first_step_at.timestamp(), 1))
+    points += [(a.timestamp(), s) for a, s in Checkpoint.objects.filter(job=job).values_list("started_at", "step")]
+    for c in RestartCycle.objects.filter(job=job):
+        if c.fault_at and c.step_at_fault is not None:
+            points.append((c.fault_at.timestamp(), c.step_at_fault))
+        if c.first_step_at and c.resumed_from_step is not None:
+            points.append((c.first_step_at.timestamp(), c.resumed_from_step))
+    if job.last_progress_at:
+        points.append((job.last_progress_at.timestamp(), job.last_step))
+    points.sort()
+    ranks = [{"rank": r.rank, "loss": r.loss, "tokens_per_s": r.tokens_per_s}
+             for r in Rank.objects.filter(job=job).order_by("rank")]
+    return {"progress": charts.progress_figure(points), "per_rank": charts.rank_metrics_figure(ranks),
+            "has_ranks": bool(ranks)}
+
+
+def commands_part(job: Job) -> dict:
+    cmds = list(Command.objects.filter(job=job).select_related("issued_by")[:30])
+    return {"commands": [{"c": c, "summary": command_summary(c)} for c in cmds]}
+
+
+def audit_part(job: Job) -> dict:
+    return {"entries": list(AuditEntry.objects.filter(job=job)[:30])}
+
+
+def log_part(job: Job) -> dict:
+    if job.backend != "local":
+        return {"available": False, "why": f"log tails are kept for local jobs; see the {job.backend} backend's logs"}
+    try:
+        from controlplane.launchers.base import get_launcher
+
+        text = get_launcher(job.backend).log_tail(job, max_bytes=12000)
+    except Exception as e:  # the launcher is optional on this page: show why, never fail the page
+        return {"available": False, "why": f"log not available: {e}"}
+    if not text:
+        return {"available": False, "why": "no log yet (the job has not started writing one)"}
+    return {"available": True, "text": text}

@@ -1,0 +1,146 @@
+"""Pages, fragments and the live cursor endpoints. Views parse, authorise, call, render.
+
+Live updates are cursor polling (``*_live``): the page sends the signatures it holds, the server
+answers with the names of parts that changed (usually none: a few bytes), and the page fetches
+just those fragments. Each poll is one short request, so no DB connection is held between polls,
+and it works the same under WSGI (runserver, gunicorn) and ASGI (uvicorn), on SQLite and Postgres.
+"""
+
+from __future__ import annotations
+
+from django.contrib.auth.decorators import login_required
+from django.core.paginator import Paginator
+from django.http import Http404, JsonResponse
+from django.shortcuts import get_object_or_404, render
+from django.utils import timezone
+from django.views.decorators.cache import never_cache
+from django.views.decorators.http import require_GET
+
+from controlplane.dashboard import sections
+from controlplane.jobs.models import Job
+from controlplane.jobs.roles import is_operator
+from trainer.wire import DrillFault, Layer
+
+JOBS_PER_PAGE = 25
+
+
+def _jobs_page(request):
+    return Paginator(Job.objects.order_by("-id"), JOBS_PER_PAGE).get_page(request.GET.get("page"))
+
+
+def _jobs_context(request, now):
+    page = _jobs_page(request)
+    jobs = list(page.object_list)
+    return {"page": page, "rows": sections.job_rows(jobs, now), "cursor": sections.jobs_signature(jobs),
+            "now": now}
+
+
+@login_required
+@require_GET
+def jobs(request):
+    now = timezone.now()
+    return render(request, "dashboard/jobs.html", {**_jobs_context(request, now), "is_operator": is_operator(request.user)})
+
+
+@login_required
+@require_GET
+@never_cache
+def jobs_table(request):
+    return render(request, "dashboard/parts/jobs_table.html", _jobs_context(request, timezone.now()))
+
+
+@login_required
+@require_GET
+@never_cache
+def jobs_live(request):
+    jobs_ = list(_jobs_page(request).object_list)
+    cursor = sections.jobs_signature(jobs_)
+    return JsonResponse({"cursor": cursor, "changed": ["table"] if cursor != request.GET.get("c") else []})
+
+
+def part_context(name: str, job: Job, request, now) -> dict:
+    """The context of one part of the job page (the page includes every part; fragments one)."""
+    if name == "header":
+        return {}
+    if name == "timeline":
+        follow = request.GET.get("follow", "1" if job.is_active else "0") == "1"
+        start, end = _float(request.GET.get("start")), _float(request.GET.get("end"))
+        return {"timeline": sections.timeline_part(job, now, start=start / 1000 if start else None,
+                                                   end=end / 1000 if end else None, follow=follow)}
+    if name == "checkpoints":
+        return {"ckpt": sections.checkpoint_part(job)}
+    if name == "faults":
+        return {"faults": sections.faults_part(job, request.GET)}
+    if name == "goodput":
+        return {"goodput": sections.goodput_part(job, now)}
+    if name == "ranks":
+        return {"ranks": sections.ranks_part(job, now)}
+    if name == "progress":
+        return {"progress": sections.progress_part(job, now)}
+    if name == "commands":
+        return sections.commands_part(job)
+    if name == "audit":
+        return sections.audit_part(job)
+    if name == "log":
+        return {"log": sections.log_part(job)}
+    raise Http404(f"no part {name!r}; parts: {', '.join(sections.JOB_SECTIONS)}")
+
+
+def _float(v):
+    try:
+        return float(v) if v not in (None, "") else None
+    except ValueError:
+        return None
+
+
+def _base_context(job, request, now) -> dict:
+    return {"job": job, "now": now, "is_operator": is_operator(request.user),
+            "layers": [(v.value, v.value.replace("_", "-")) for v in Layer if v != Layer.NONE],
+            "drill_faults": [f.value for f in DrillFault], "rank_ids": range(job.world_size)}
+
+
+@login_required
+@require_GET
+def job_detail(request, job_id: int):
+    job = get_object_or_404(Job, pk=job_id)
+    now = timezone.now()
+    ctx = _base_context(job, request, now)
+    for name in sections.JOB_SECTIONS:
+        ctx.update(part_context(name, job, request, now))
+    sigs = sections.job_signatures(job, now)
+    ctx["cursor"] = ".".join(sigs[n] for n in sections.JOB_SECTIONS)
+    ctx["live_config"] = {"live": _url("dashboard:job_live", job.pk), "part": _url("dashboard:job_part", job.pk, "x"),
+                          "cursor": ctx["cursor"], "interval_ms": 500, "sections": list(sections.JOB_SECTIONS)}
+    return render(request, "dashboard/job.html", ctx)
+
+
+def _url(name, *args):
+    from django.urls import reverse
+
+    return reverse(name, args=args)
+
+
+@login_required
+@require_GET
+@never_cache
+def job_part(request, job_id: int, name: str):
+    if name not in sections.JOB_SECTIONS:
+        raise Http404(f"no part {name!r}")
+    job = get_object_or_404(Job, pk=job_id)
+    now = timezone.now()
+    ctx = {**_base_context(job, request, now), **part_context(name, job, request, now)}
+    return render(request, f"dashboard/parts/{name}.html", ctx)
+
+
+@login_required
+@require_GET
+@never_cache
+def job_live(request, job_id: int):
+    """Which parts changed since the cursor ``c`` (dot-joined signatures in JOB_SECTIONS order)."""
+    job = get_object_or_404(Job, pk=job_id)
+    now = timezone.now()
+    sigs = sections.job_signatures(job, now)
+    old = (request.GET.get("c") or "").split(".")
+    changed = [n for i, n in enumerate(sections.JOB_SECTIONS) if i >= len(old) or old[i] != sigs[n]]
+    return JsonResponse({"cursor": ".".join(sigs[n] for n in sections.JOB_SECTIONS), "changed": changed,
+                         "server_ms": int(now.timestamp() * 1000)})

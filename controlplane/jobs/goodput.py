@@ -1,0 +1,129 @@
+"""Goodput: where a job's wall time went. One definition, shown on the job page.
+
+Over wall time W (job start to now, or to its end) the parts are:
+
+- **startup**: job start (``started_at``, else ``created_at``) to the first completed step;
+- **recovery**: the union of restart cycles, each from its fault to the first step after it
+  (``first_step_at - fault_at``; an open cycle runs to now);
+- **checkpoint blocking**: time the training loop waited on saves (``Checkpoint.blocking_s``; a sync
+  save without that figure counts its whole save), except saves that began inside a recovery;
+- **productive**: step time of the steps that count toward the final model (``job.last_step`` steps);
+- **lost work**: step time of steps recomputed after a rollback (``RestartCycle.lost_steps``; an open
+  cycle's loss is the steps since the last durable checkpoint);
+- **idle**: the rest (waiting with no step running, e.g. a stalled rank before anything noticed).
+
+Heartbeats are not stored as history, so step time is estimated: the median of the ranks' latest
+``step_time_s``, capped by "training time / steps executed" (the cap is what it must be if the loop
+never idled). Without any measured step time, the loop is assumed never idle. Accepted trade-off:
+goodput is an estimate at the resolution of those facts, and it always adds up to W exactly.
+
+``compute_goodput`` returns shares of W under the part names (they add up to 1), the same parts in
+seconds under ``<part>_s``, ``wall_s`` and ``goodput`` (= the productive share).
+"""
+
+from __future__ import annotations
+
+import statistics
+from datetime import datetime
+
+from trainer.wire import CheckpointState, CheckpointMode
+
+PARTS = ("productive", "checkpoint_blocking", "recovery", "lost_work", "startup", "idle")
+
+
+def _union_length(intervals: list[tuple[float, float]]) -> tuple[float, list[tuple[float, float]]]:
+    merged: list[tuple[float, float]] = []
+    for a, b in sorted(intervals):
+        if b <= a:
+            continue
+        if merged and a <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], b))
+        else:
+            merged.append((a, b))
+    return sum(b - a for a, b in merged), merged
+
+
+def _inside(t: float, merged: list[tuple[float, float]]) -> bool:
+    return any(a <= t < b for a, b in merged)
+
+
+def compute_goodput(job, now: datetime) -> dict[str, float]:
+    start_dt = job.started_at or job.created_at
+    end_dt = job.finished_at or now
+    start = start_dt.timestamp()
+    end = max(start, end_dt.timestamp())
+    wall = end - start
+    seconds = dict.fromkeys(PARTS, 0.0)
+    if wall <= 0:
+        return _result(seconds, wall)
+
+    first_step = job.first_step_at.timestamp() if job.first_step_at else None
+    train_from = min(max(first_step, start), end) if first_step is not None else end
+    seconds["startup"] = train_from - start
+
+    cycles = list(job.cycles.values_list("fault_at", "detected_at", "aborted_at", "restarted_at",
+                                         "first_step_at", "step_at_fault", "resumed_from_step"))
+    checkpoints = list(job.checkpoints.values_list("started_at", "finished_at", "blocking_s", "mode", "state",
+                                                   "step"))
+    durable_steps = sorted(s for _, _, _, _, state, s in checkpoints if state == CheckpointState.DURABLE)
+
+    intervals = []
+    lost_steps = 0
+    for fault_at, detected_at, aborted_at, restarted_at, first_at, step_at_fault, resumed_from in cycles:
+        began = fault_at or detected_at or aborted_at or restarted_at
+        if began is None:
+            continue
+        a = max(began.timestamp(), train_from)
+        b = min(first_at.timestamp() if first_at else end, end)
+        intervals.append((a, b))
+        if step_at_fault is not None:
+            if resumed_from is not None:
+                lost_steps += max(0, step_at_fault - resumed_from)
+            else:  # still recovering: it will resume from the newest durable checkpoint at or before the fault
+                base = max((s for s in durable_steps if s <= step_at_fault), default=0)
+                lost_steps += max(0, step_at_fault - base)
+    seconds["recovery"], merged = _union_length(intervals)
+
+    blocking = 0.0
+    for started_at, finished_at, blocking_s, mode, _state, _step in checkpoints:
+        t = started_at.timestamp()
+        if t < train_from or t >= end or _inside(t, merged):
+            continue
+        if blocking_s is None and mode == CheckpointMode.SYNC and finished_at is not None:
+            blocking_s = (finished_at - started_at).total_seconds()
+        blocking += min(max(0.0, blocking_s or 0.0), end - t)
+    seconds["checkpoint_blocking"] = blocking
+
+    # Inconsistent facts (overlaps we do not model) must not push the parts past W.
+    overhead = seconds["startup"] + seconds["recovery"] + seconds["checkpoint_blocking"]
+    if overhead > wall:
+        scale = wall / overhead
+        for k in ("startup", "recovery", "checkpoint_blocking"):
+            seconds[k] *= scale
+        overhead = wall
+    training = wall - overhead
+
+    counted = max(0, job.last_step or 0)
+    executed = counted + lost_steps
+    if executed > 0 and training > 0:
+        fit = training / executed
+        measured = [s for s in job.ranks.values_list("step_time_s", flat=True) if s and s > 0]
+        step_s = min(statistics.median(measured), fit) if measured else fit
+        seconds["productive"] = counted * step_s
+        seconds["lost_work"] = lost_steps * step_s
+    seconds["idle"] = max(0.0, training - seconds["productive"] - seconds["lost_work"])
+    return _result(seconds, wall)
+
+
+def _result(seconds: dict[str, float], wall: float) -> dict[str, float]:
+    out: dict[str, float] = {"wall_s": wall}
+    if wall <= 0:
+        shares = dict.fromkeys(PARTS, 0.0)
+        shares["startup"] = 1.0
+    else:
+        shares = {k: seconds[k] / wall for k in PARTS}
+    for k in PARTS:
+        out[k] = shares[k]
+        out[f"{k}_s"] = seconds[k]
+    out["goodput"] = shares["productive"]
+    return out
