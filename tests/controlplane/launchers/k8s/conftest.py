@@ -1,0 +1,40 @@
+"""Fixtures for the Kubernetes launcher tests: a fresh loopback API server per test (``cluster``), the
+launcher pointed at it, and ``use_fake_cluster`` for code that calls get_launcher("kubernetes")."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from k8shelpers import INGEST_URL, Cluster  # noqa: E402
+from kfake import KFakeThread  # noqa: E402
+
+from controlplane.launchers.kubernetes import KubernetesLauncher  # noqa: E402
+
+
+@pytest.fixture()
+def cluster():
+    srv = KFakeThread().start()
+    c = Cluster(srv)
+    yield c
+    c.api.close()
+    srv.stop()
+
+
+@pytest.fixture()
+def launcher(cluster):
+    return KubernetesLauncher(api_client=cluster.api, ingest_url=INGEST_URL, delete_wait_s=0.5,
+                              sleep=lambda s: time.sleep(min(s, 0.05)))
+
+
+@pytest.fixture()
+def use_fake_cluster(monkeypatch, launcher):
+    """Make get_launcher("kubernetes") (the lead's services and tasks) use the fake cluster."""
+    monkeypatch.setattr(KubernetesLauncher, "from_settings", classmethod(lambda cls: launcher))
+    return launcher
+
