@@ -149,6 +149,12 @@ def container_args(spec: JobSpec, *, job_id: int, attempt: int) -> list[str]:
     )
 
 
+def _ports(key: str) -> list[dict[str, Any]]:
+    """Node 0 serves the rendezvous on RDZV_PORT, the app store on +1 and NVRx's Wrapper store on +2."""
+    return [{"name": name, key: RDZV_PORT + i, "protocol": "TCP"}
+            for i, name in enumerate(("rdzv", "app-store", "wrapper-store"))]
+
+
 def pod_template(spec: JobSpec, *, job_id: int, attempt: int) -> dict[str, Any]:
     k8s = _k8s(spec)
     names = names_for(spec, job_id)
@@ -181,7 +187,7 @@ def pod_template(spec: JobSpec, *, job_id: int, attempt: int) -> dict[str, Any]:
         "command": list(TRAINER_LAUNCH),
         "args": container_args(spec, job_id=job_id, attempt=attempt),
         "env": env,
-        "ports": [{"name": "rdzv", "containerPort": RDZV_PORT, "protocol": "TCP"}],
+        "ports": _ports("containerPort"),
         # Extended resources: requests must equal limits; the scheduler places one pod per node by them.
         "resources": {"limits": dict(accelerators), "requests": dict(accelerators)},
         "securityContext": {"capabilities": {"add": ["IPC_LOCK"]}},  # EFA registers (pins) memory
@@ -266,7 +272,7 @@ def headless_service(spec: JobSpec, *, job_id: int, attempt: int, owner: dict[st
             "selector": {L_JOB_ID: str(job_id), L_ATTEMPT: str(attempt)},
             # Rendezvous starts before any pod is Ready (the trainer has no readiness probe).
             "publishNotReadyAddresses": True,
-            "ports": [{"name": "rdzv", "port": RDZV_PORT, "targetPort": RDZV_PORT, "protocol": "TCP"}],
+            "ports": [{**p, "targetPort": p["port"]} for p in _ports("port")],
         },
     }
 

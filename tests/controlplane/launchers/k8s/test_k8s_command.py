@@ -1,0 +1,64 @@
+"""The trainer argv (command.py), shared by the local and Kubernetes launchers, and the NVRx version check."""
+
+import pytest
+from k8shelpers import k8s_spec
+
+from controlplane.jobs.spec import Drill, JobSpec
+from controlplane.launchers import manifests
+from controlplane.launchers.command import launch_args, nvrx_problems, trainer_args
+
+
+def test_it_builds_the_exact_argv():
+    spec = JobSpec(nodes=1, procs_per_node=4, preset="small", steps=500, checkpoint_interval=25,
+                   checkpoint_mode="sync", keep_checkpoints=2, max_in_process_restarts=7, max_in_job_restarts=4,
+                   heartbeat_interval_s=0.5, drills=(Drill(step=60, fault="exception", rank=1),
+                                                     Drill(step=150, fault="sigkill", rank=0)))
+    argv = launch_args(spec, node_rank=0, rdzv_endpoint="127.0.0.1:29400", run_dir="/runs/9", job_id=9,
+                       attempt=2, report_url="http://cp:8000")
+    assert argv == [
+        "--nnodes", "1", "--node-rank", "0", "--nproc-per-node", "4", "--rdzv-endpoint", "127.0.0.1:29400",
+        "--max-restarts", "4", "--in-job", "--run-dir", "/runs/9", "--job-id", "9", "--attempt", "2", "--",
+        "--preset", "small", "--steps", "500", "--ckpt-interval", "25", "--ckpt-mode", "sync", "--keep-ckpts", "2",
+        "--in-process", "--max-in-process-restarts", "7", "--report-interval", "0.5",
+        "--drill", "60:exception:1", "--drill", "150:sigkill:0", "--report-url", "http://cp:8000",
+    ]
+
+
+def test_it_turns_layers_off_explicitly():
+    spec = JobSpec(in_process=False, in_job=False, max_in_job_restarts=4)
+    argv = launch_args(spec, node_rank=0, rdzv_endpoint="h:1", run_dir="/r", job_id=1, attempt=0)
+    assert "--no-in-job" in argv and "--no-in-process" in argv
+    assert argv[argv.index("--max-restarts") + 1] == "0"
+    assert "--max-in-process-restarts" not in argv
+    assert "--report-url" not in trainer_args(spec)
+
+
+def test_the_pod_argv_parses_with_the_trainers_own_launcher():
+    """What the kubelet runs, after it expands $(JOB_COMPLETION_INDEX) and $(UNBROKEN_REPORT_URL)."""
+    launch = pytest.importorskip("trainer.launch")
+    spec = k8s_spec(nodes=16, drills=[{"step": 50, "fault": "sigkill", "rank": 100}])
+    args = [a.replace("$(JOB_COMPLETION_INDEX)", "15").replace("$(UNBROKEN_REPORT_URL)", "http://cp:8000")
+            for a in manifests.container_args(spec, job_id=42, attempt=1)]
+    ns, _, cfg = launch.parse(args)
+    assert (ns.nnodes, ns.node_rank, ns.nproc_per_node) == (16, 15, 8)
+    assert ns.rdzv_host == "unbroken-42-0.unbroken-42.train.svc"
+    assert (cfg.job_id, cfg.attempt, cfg.run_dir) == ("42", 1, "/checkpoints/unbroken-42")
+    assert cfg.report_url == "http://cp:8000"
+    assert [d.key for d in cfg.drills] == ["50:sigkill:100"]
+
+
+@pytest.mark.parametrize("version,in_process,expected", [
+    ("", True, []),
+    ("0.4.1", True, []),
+    ("0.5.2", True, []),
+    ("0.6.0", False, []),
+    ("0.6.0", True, ["deprecates in-process restart"]),
+    ("v0.7.1rc1", True, ["deprecates in-process restart"]),
+    ("0.3.0", False, ["0.4.1 or later"]),
+    ("latest", True, ["not a version"]),
+])
+def test_it_checks_the_resilience_flags_against_the_nvrx_version(version, in_process, expected):
+    problems = nvrx_problems(JobSpec(in_process=in_process), version)
+    assert len(problems) == len(expected)
+    for p, want in zip(problems, expected, strict=True):
+        assert want in p
