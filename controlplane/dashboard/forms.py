@@ -51,7 +51,7 @@ class JobForm(forms.Form):
     drills = forms.CharField(
         required=False, widget=forms.Textarea(attrs={"rows": 3}),
         help_text="one per line: step:fault:rank, fault one of " + ", ".join(f.value for f in DrillFault))
-    notify_webhook_url = forms.URLField(required=False, label="Webhook URL (notifications)")
+    notify_webhook_url = forms.URLField(required=False, assume_scheme="https", label="Webhook URL (notifications)")
     notify_email = forms.EmailField(required=False, label="Email (notifications)")
     # Kubernetes
     k8s_namespace = forms.CharField(required=False, label="Namespace")

@@ -292,6 +292,7 @@ def ranks_part(job: Job, now: datetime) -> dict:
             continue
         rows.append({"rank": r.rank, "node": r.node, "health": r.health_at(now) if job.is_active else "stopped",
                      "age": r.heartbeat_age_s(now), "hb_at": ts(r.last_heartbeat_at), "phase": r.phase,
+                     "hb_ms": int(r.last_heartbeat_at.timestamp() * 1000) if r.last_heartbeat_at else None,
                      "step": r.last_step, "loss": r.loss, "step_time_s": r.step_time_s,
                      "tokens_per_s": r.tokens_per_s, "pid": r.pid})
     return {"rows": rows, "now": now.timestamp()}

@@ -17,6 +17,7 @@ from django.views.decorators.cache import never_cache
 from django.views.decorators.http import require_GET
 
 from controlplane.dashboard import sections
+from controlplane.dashboard.assets import PLOTLY_VERSION
 from controlplane.jobs.models import Job
 from controlplane.jobs.roles import is_operator
 from trainer.wire import DrillFault, Layer
@@ -94,7 +95,7 @@ def _float(v):
 
 
 def _base_context(job, request, now) -> dict:
-    return {"job": job, "now": now, "is_operator": is_operator(request.user),
+    return {"job": job, "now": now, "is_operator": is_operator(request.user), "plotly_version": PLOTLY_VERSION,
             "layers": [(v.value, v.value.replace("_", "-")) for v in Layer if v != Layer.NONE],
             "drill_faults": [f.value for f in DrillFault], "rank_ids": range(job.world_size)}
 

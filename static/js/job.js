@@ -1,0 +1,216 @@
+// The job page: draws the server-built plotly figures and follows the job live.
+//
+// Live: every 500 ms the page sends its cursor (one signature per part) to /jobs/<id>/live/; the
+// answer names the parts that changed (usually none), and only those fragments are fetched. Charts
+// keep their DOM node and are updated with Plotly.react, so zoom survives updates.
+// The timeline follows the newest minutes while "follow live" is on; zooming or panning turns it
+// off and fetches that window at full detail (the server downsamples wide windows).
+(function () {
+  "use strict";
+  const U = window.Unbroken;
+  const cfgEl = document.getElementById("live-config");
+  if (!cfgEl || typeof Plotly === "undefined") return;
+  const cfg = JSON.parse(cfgEl.textContent);
+  let cursor = cfg.cursor;
+  const followBox = document.getElementById("follow-live");
+  const state = { follow: followBox ? followBox.checked : false, window: null, suppress: 0, timeline: null };
+  let faultParams = new URLSearchParams(window.location.search);
+
+  const PLOT_CONFIG = { responsive: true, displaylogo: false, modeBarButtonsToRemove: ["select2d", "lasso2d"] };
+
+  function readData(id) {
+    const el = document.getElementById(id);
+    return el ? JSON.parse(el.textContent) : null;
+  }
+
+  function draw(div) {
+    const data = readData(div.dataset.chart);
+    if (!data) return;
+    const config = Object.assign({}, PLOT_CONFIG, div.dataset.chart === "timeline-data" ? { scrollZoom: true } : {});
+    state.suppress += 1;
+    const done = Plotly.react(div, data.figure.data, data.figure.layout, config);
+    Promise.resolve(done).finally(function () { state.suppress -= 1; });
+    if (div.dataset.chart === "timeline-data") setupTimeline(div, data);
+  }
+
+  function drawAll(root) {
+    root.querySelectorAll("[data-chart]").forEach(draw);
+  }
+
+  // -- timeline ---------------------------------------------------------------------------------
+  function setupTimeline(div, data) {
+    state.timeline = { div: div, data: data };
+    const r = data.figure.layout.xaxis.range;
+    state.window = [r[0], r[1]];
+    if (!div.dataset.bound) {
+      div.dataset.bound = "1";
+      div.on("plotly_relayout", onRelayout);
+    }
+  }
+
+  let zoomTimer = null;
+  function onRelayout(ev) {
+    if (state.suppress > 0 || !ev) return;
+    let a = ev["xaxis.range[0]"], b = ev["xaxis.range[1]"];
+    if (ev["xaxis.range"]) { a = ev["xaxis.range"][0]; b = ev["xaxis.range"][1]; }
+    if (ev["xaxis.autorange"]) {
+      setFollow(false);
+      state.window = null;
+      refreshPart("timeline");
+      return;
+    }
+    if (a === undefined || b === undefined) return;
+    const t0 = toMs(a), t1 = toMs(b);
+    state.window = [t0, t1];
+    // A window that still reaches the present keeps following; one in the past stops.
+    if (t1 < U.serverNow() - 3000) setFollow(false);
+    clearTimeout(zoomTimer);
+    zoomTimer = setTimeout(function () { refreshPart("timeline"); }, 250);
+  }
+
+  function toMs(v) {
+    if (typeof v === "number") return v;
+    // plotly gives "YYYY-MM-DD HH:MM:SS.sss" in UTC for date axes
+    return Date.parse(String(v).replace(" ", "T") + (String(v).endsWith("Z") ? "" : "Z"));
+  }
+
+  function setFollow(on) {
+    state.follow = on;
+    if (followBox) followBox.checked = on;
+  }
+
+  // While following: extend the open bars to now and keep the newest minutes in view.
+  function followTick() {
+    const t = state.timeline;
+    if (!t || !state.follow || !t.data.active) return;
+    const now = U.serverNow();
+    const traces = t.div.data;
+    if (!traces) return;
+    const touched = {};
+    (t.data.open || []).forEach(function (p) {
+      const tr = traces[p[0]];
+      if (!tr || !tr.base) return;
+      const x = touched[p[0]] || tr.x.slice();
+      x[p[1]] = Math.max(1, now - tr.base[p[1]]);
+      touched[p[0]] = x;
+    });
+    const idx = Object.keys(touched).map(Number);
+    const span = state.window ? state.window[1] - state.window[0] : 600000;
+    state.suppress += 1;
+    const p = idx.length ? Plotly.restyle(t.div, { x: idx.map(function (i) { return touched[i]; }) }, idx) : Promise.resolve();
+    Promise.resolve(p)
+      .then(function () { return Plotly.relayout(t.div, { "xaxis.range": [now - span + 2000, now + 2000] }); })
+      .finally(function () { state.suppress -= 1; });
+    state.window = [now - span + 2000, now + 2000];
+  }
+  setInterval(followTick, 1000);
+
+  if (followBox) {
+    followBox.addEventListener("change", function () {
+      setFollow(followBox.checked);
+      if (state.follow) {
+        const span = state.window ? state.window[1] - state.window[0] : 600000;
+        const now = U.serverNow();
+        state.window = [now - span, now];
+        refreshPart("timeline");
+      }
+    });
+  }
+  const allBtn = document.getElementById("timeline-all");
+  if (allBtn) {
+    allBtn.addEventListener("click", function () {
+      setFollow(false);
+      state.window = null;
+      refreshPart("timeline");
+    });
+  }
+
+  // -- parts --------------------------------------------------------------------------------------
+  function partUrl(name) {
+    const base = cfg.part.replace(/\/x\/$/, "/" + name + "/");
+    const q = new URLSearchParams();
+    if (name === "timeline") {
+      q.set("follow", state.follow ? "1" : "0");
+      if (state.window) {
+        q.set("start", String(Math.round(state.window[0])));
+        q.set("end", String(Math.round(state.window[1])));
+      }
+    } else if (name === "faults") {
+      ["fault_class", "layer", "rank", "page"].forEach(function (k) {
+        const v = faultParams.get(k);
+        if (v) q.set(k, v);
+      });
+    }
+    const s = q.toString();
+    return s ? base + "?" + s : base;
+  }
+
+  async function refreshPart(name) {
+    const container = document.querySelector('[data-part="' + name + '"]');
+    if (!container) return true;
+    const r = await fetch(partUrl(name), { credentials: "same-origin", cache: "no-store" });
+    if (!r.ok) return false;
+    const html = await r.text();
+    // Keep existing chart nodes (their zoom and hover state) and feed them the new data.
+    const old = {};
+    container.querySelectorAll("[data-chart]").forEach(function (div) { old[div.dataset.chart] = div; });
+    const tpl = document.createElement("template");
+    tpl.innerHTML = html;
+    tpl.content.querySelectorAll("[data-chart]").forEach(function (placeholder) {
+      const keep = old[placeholder.dataset.chart];
+      if (keep) placeholder.replaceWith(keep);
+    });
+    container.replaceChildren(tpl.content);
+    drawAll(container);
+    container.querySelectorAll("[data-scroll-bottom]").forEach(function (el) { el.scrollTop = el.scrollHeight; });
+    return true;
+  }
+
+  async function poll() {
+    try {
+      const r = await fetch(cfg.live + "?c=" + encodeURIComponent(cursor), { credentials: "same-origin", cache: "no-store" });
+      const type = r.headers.get("Content-Type") || "";
+      if (r.ok && type.indexOf("application/json") === 0) {
+        const j = await r.json();
+        U.clockOffset = j.server_ms - Date.now();
+        const results = await Promise.all(j.changed.map(refreshPart));
+        if (results.every(Boolean)) cursor = j.cursor;
+        U.markLive(true);
+      } else {
+        U.markLive(false);
+      }
+    } catch (err) {
+      U.markLive(false);
+    }
+    setTimeout(poll, cfg.interval_ms);
+  }
+
+  // Fault filters and pages without a reload (the same GET form works without JS).
+  document.addEventListener("submit", function (e) {
+    const form = e.target;
+    if (!(form instanceof HTMLFormElement) || form.dataset.partFilter !== "faults") return;
+    e.preventDefault();
+    faultParams = new URLSearchParams(new FormData(form));
+    faultParams.delete("page");
+    refreshPart("faults");
+  });
+  document.addEventListener("click", function (e) {
+    const a = e.target.closest && e.target.closest("[data-part-pager] a");
+    if (!a) return;
+    e.preventDefault();
+    faultParams = new URL(a.href).searchParams;
+    refreshPart("faults");
+  });
+
+  let started = false;
+  function start() {
+    if (started) return;
+    started = true;
+    drawAll(document);
+    document.querySelectorAll("[data-scroll-bottom]").forEach(function (el) { el.scrollTop = el.scrollHeight; });
+    setTimeout(poll, cfg.interval_ms);
+  }
+  // Deferred scripts run once the document is parsed (readyState "interactive").
+  if (document.readyState === "loading") document.addEventListener("DOMContentLoaded", start);
+  else start();
+})();
