@@ -319,7 +319,7 @@ class KubernetesLauncher:
         core = client.CoreV1Api(self.api)
         t = PREFLIGHT_TIMEOUT
         try:
-            self._call("reach the API server", client.VersionApi(self.api).get_code, timeout=t)
+            self._call("reach the API server", client.VersionApi(self.api).get_code, allow=(403, 404), timeout=t)
         except TransientLaunchError:
             host = self.api.configuration.host
             return [f"cannot reach the Kubernetes API server at {host}: check KUBECONFIG (or the in-cluster "

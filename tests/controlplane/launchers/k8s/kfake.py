@@ -167,6 +167,9 @@ class KFake(kmock.KubernetesEmulator):
                 del self.failures[i]
                 raise Injected(status=status, reason="Injected", message=f"injected {status} by the test")
         parts = request.url.path.strip("/").split("/")
+        if parts == ["version"]:
+            return aiohttp.web.json_response({"major": "1", "minor": K8S_VERSION.split(".")[1],
+                                              "gitVersion": f"v{K8S_VERSION}.0", "platform": "linux/amd64"})
         if str(request.method).upper().endswith("GET") and parts[:3] == ["api", "v1", "namespaces"] \
                 and len(parts) == 4:
             if parts[3] not in self.namespaces:
