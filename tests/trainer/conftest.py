@@ -52,7 +52,9 @@ class Receiver:
                     batch["_path"] = self.path
                     with recv.lock:
                         recv.batches.append(batch)
-                        cmds = list(recv.commands)
+                        acked = {e["data"].get("command_id") for b in recv.batches for e in b.get("events", [])
+                                 if e["kind"] == "command_ack"}
+                        cmds = [c for c in recv.commands if c["id"] not in acked]  # re-sent until acked
                     out = json.dumps({"accepted": {}, "commands": cmds, "server_time": time.time()}).encode()
                 else:
                     out = json.dumps({"error": "refused by test", "field": "events[0].kind"}).encode()

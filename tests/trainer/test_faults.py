@@ -1,0 +1,70 @@
+"""Each fault class is recovered by the expected layer, training resumes from the newest durable
+checkpoint, and the final loss matches an uninterrupted run (2 ranks, gloo on CPU, real processes)."""
+
+import pytest
+
+from tests.trainer.conftest import launch
+
+STEPS = ["--steps", "24", "--ckpt-interval", "5", "--soft-timeout", "3", "--hard-timeout", "8"]
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def baseline(tmp_path_factory):
+    run = launch(tmp_path_factory.mktemp("baseline"), trainer_flags=STEPS)
+    assert run.rc == 0, run.log[-3000:]
+    return run.final_loss()
+
+
+def cycle_marks(events, cycle):
+    return {e["data"]["mark"]: e for e in events if e["kind"] == "cycle" and e["data"]["cycle"] == cycle}
+
+
+@pytest.mark.parametrize("fault, fault_class, layer, cycle, in_job_flag", [
+    ("exception", "exception", "in_process", "a0-ij0-ip1", True),
+    ("nan_loss", "nan_loss", "in_process", "a0-ij0-ip1", True),
+    ("hang", "hang", "in_process", "a0-ij0-ip1", True),
+    ("hang_collective", "hang", "in_process", "a0-ij0-ip1", True),
+    ("sigkill", "process_killed", "launcher", "a0-ij1", True),
+    ("exception", "exception", "launcher", "a0-ij1", False),  # --no-in-process: the in-job layer restarts
+])
+def test_it_recovers_and_matches_the_uninterrupted_loss(tmp_path, receiver, baseline, fault, fault_class, layer,
+                                                        cycle, in_job_flag):
+    flags = [*STEPS, "--drill", f"12:{fault}:1"]
+    if not in_job_flag:
+        flags.append("--no-in-process")
+    run = launch(tmp_path, trainer_flags=flags, report_url=receiver.url)
+    assert run.rc == 0, run.log[-4000:]
+    assert run.final_loss() == pytest.approx(baseline, rel=1e-5)
+    faults = receiver.events("fault")
+    assert len(faults) == 1, faults
+    f = faults[0]["data"]
+    assert (f["fault"], f["detected_by"], f["cycle"], f["rank"]) == (fault_class, layer, cycle, 1)
+    marks = cycle_marks(receiver.events(), cycle)
+    for m in ("fault_at", "detected_at", "aborted_at", "restarted_at", "checkpoint_loaded_at", "first_step_at"):
+        assert m in marks, (m, sorted(marks))
+    assert marks["checkpoint_loaded_at"]["data"]["step"] == 10  # the newest durable checkpoint before step 12
+    assert marks["fault_at"]["at"] <= marks["detected_at"]["at"] <= marks["first_step_at"]["at"]
+    finished = receiver.events("rank_finished")
+    assert sorted(e["rank"] for e in finished) == [0, 1]
+
+
+def test_it_fails_the_job_when_no_layer_is_on(tmp_path, receiver):
+    run = launch(tmp_path, trainer_flags=[*STEPS, "--no-in-process", "--drill", "6:exception:0"], in_job=False,
+                 report_url=receiver.url, timeout_s=120)
+    assert run.rc != 0
+    launcher = [e["data"]["message"] for e in receiver.events("launcher")]
+    assert any("rank 0: exit 1" in m for m in launcher), launcher
+
+
+def test_it_reports_job_level_restart_marks_on_a_new_attempt(tmp_path, receiver, baseline):
+    first = launch(tmp_path, trainer_flags=[*STEPS, "--no-in-process", "--drill", "12:exception:0"], in_job=False,
+                   timeout_s=120)
+    assert first.rc != 0
+    run = launch(tmp_path, trainer_flags=[*STEPS, "--no-in-process"], in_job=False, attempt=1,
+                 report_url=receiver.url)
+    assert run.rc == 0, run.log[-3000:]
+    assert run.final_loss() == pytest.approx(baseline, rel=1e-5)
+    marks = cycle_marks(receiver.events(), "job1")
+    assert {"restarted_at", "checkpoint_loaded_at", "first_step_at"} <= set(marks)
+    assert marks["checkpoint_loaded_at"]["data"]["step"] == 10
