@@ -93,7 +93,7 @@ def downsample_spans(spans: list[Span], t0: float, t1: float, *, max_spans: int 
     for s in spans:
         if s.end < t0 or s.start > t1:
             continue
-        c = Span(max(s.start, t0), min(s.end, t1), s.phase, s.lane, s.label, s.open and s.end >= t1)
+        c = Span(max(s.start, t0), min(s.end, t1), s.phase, s.lane, s.label, s.open)
         if c.phase == TRAINING:
             out.append(c)
         else:

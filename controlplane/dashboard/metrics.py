@@ -63,14 +63,14 @@ class Exposition:
     def __init__(self):
         self.lines: list[str] = []
 
-    def family(self, name: str, kind: str, help_: str) -> None:
+    def family(self, name: str, kind: str, help_: str, /) -> None:
         self.lines.append(f"# HELP {name} {help_}")
         self.lines.append(f"# TYPE {name} {kind}")
 
-    def sample(self, name: str, value, **labels) -> None:
-        self.lines.append(f"{name}{_labels(**labels) if labels else ''} {_num(value)}")
+    def sample(self, metric: str, value, /, **labels) -> None:
+        self.lines.append(f"{metric}{_labels(**labels) if labels else ''} {_num(value)}")
 
-    def histogram(self, name: str, values: list[float], buckets: tuple[float, ...], **labels) -> None:
+    def histogram(self, name: str, values: list[float], buckets: tuple[float, ...], /, **labels) -> None:
         for le in buckets:
             self.sample(f"{name}_bucket", sum(1 for v in values if v <= le), **labels, le=_num(le))
         self.sample(f"{name}_bucket", len(values), **labels, le="+Inf")

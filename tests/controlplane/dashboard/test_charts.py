@@ -1,0 +1,108 @@
+"""Figures are bounded whatever the job's length (server-side downsampling) and carry their meaning."""
+
+from datetime import timedelta
+
+import pytest
+from django.utils import timezone
+
+from controlplane.dashboard import charts, sections
+from controlplane.dashboard.timeline import CHECKPOINT_SAVE, DEAD, HUNG, RESTARTING, TRAINING, Span
+
+from .factories import make_checkpoint, make_cycle, make_fault, make_job, make_rank
+
+
+def test_it_keeps_few_spans_exact():
+    spans = [Span(10.0 * i, 10.0 * i + 1, CHECKPOINT_SAVE, None) for i in range(50)]
+    out = charts.downsample_spans(spans, 0, 1000)
+    assert len(out) == 50 and out[3].start == 30.0
+
+
+def test_it_bins_many_spans_to_a_bounded_count_and_keeps_the_alarming_ones():
+    spans = [Span(i * 20.0, i * 20.0 + 0.2, CHECKPOINT_SAVE, None) for i in range(5000)]  # 1% of time in saves
+    spans.append(Span(50_000.0, 50_003.0, RESTARTING, None, "cycle"))  # 3 s restart in a 100,000 s job
+    spans.append(Span(0.0, 100_000.0, TRAINING, None))
+    out = charts.downsample_spans(spans, 0, 100_000, max_spans=400, bins=600)
+    assert len(out) <= 601
+    assert [s.phase for s in out if s.phase == RESTARTING] == [RESTARTING]
+    assert not [s for s in out if s.phase == CHECKPOINT_SAVE]  # 1% saves do not paint the lane
+    assert [s for s in out if s.phase == TRAINING][0].end == 100_000.0
+
+
+def test_it_shows_detail_again_when_zoomed_in():
+    spans = [Span(i * 20.0, i * 20.0 + 0.2, CHECKPOINT_SAVE, None) for i in range(5000)]
+    out = charts.downsample_spans(spans, 1000, 1200)  # ten saves in view
+    assert len(out) == 11 and all(s.phase == CHECKPOINT_SAVE for s in out)
+
+
+def test_it_downsamples_checkpoint_points_but_keeps_failures_and_spikes():
+    rows = [{"started_at": float(i), "durable_s": 1.0, "state": "durable"} for i in range(5000)]
+    rows[1234]["durable_s"] = 99.0
+    rows[4321]["state"] = "failed"
+    out = charts.downsample_points(rows, key="durable_s", keep=lambda r: r["state"] == "failed", max_points=800)
+    assert len(out) <= 801
+    assert any(r["durable_s"] == 99.0 for r in out)
+    assert any(r["state"] == "failed" for r in out)
+
+
+@pytest.mark.django_db
+def test_it_bounds_the_timeline_of_a_long_job():
+    now = timezone.now()
+    job = make_job(now=now, age_s=3 * 86400, spec={"procs_per_node": 8, "steps": 10**6, "nodes": 1})
+    for r in range(8):
+        make_rank(job, r, now=now)
+    from controlplane.jobs.models import Checkpoint
+
+    start = job.first_step_at
+    Checkpoint.objects.bulk_create([
+        Checkpoint(job=job, step=i, started_at=start + timedelta(seconds=100 * i), blocking_s=0.5,
+                   finished_at=start + timedelta(seconds=100 * i + 3), state="durable", mode="async")
+        for i in range(1, 2500)])
+    for i in range(30):
+        at = start + timedelta(hours=2 * i + 1)
+        c = make_cycle(job, f"c{i}", fault_at=at)
+        make_fault(job, at=at, rank=i % 8, cycle=c, fault_class="hang" if i % 2 else "process_killed")
+    fig = sections.timeline_part(job, now, follow=False)["figure"]
+    bars = sum(len(t["x"]) for t in fig["data"] if t["type"] == "bar")
+    assert bars <= 2 * charts.MAX_BINS
+    names = {t["name"] for t in fig["data"]}
+    assert {"training", HUNG, DEAD, "fault · hang", "fault · process_killed", "restart · in-process"} <= names
+    assert len(fig["layout"]["shapes"]) >= 30  # cycle bands
+
+
+@pytest.mark.django_db
+def test_it_draws_one_lane_per_rank_grouped_by_node_with_units_and_hover():
+    now = timezone.now()
+    job = make_job(now=now, spec={"procs_per_node": 4})
+    for r, node in enumerate(["b", "a", "b", "a"]):
+        make_rank(job, r, now=now, node=node)
+    c = make_cycle(job, "a0-ij0-ip1", fault_at=now - timedelta(seconds=100))
+    make_fault(job, at=now - timedelta(seconds=100), rank=2, cycle=c)
+    make_checkpoint(job, 20, started_at=now - timedelta(seconds=200), blocking_s=1.0)
+    tl = sections.timeline_part(job, now, follow=True)
+    fig = tl["figure"]
+    assert fig["layout"]["yaxis"]["ticktext"] == ["job", "r1 · a", "r3 · a", "r0 · b", "r2 · b"]
+    assert fig["layout"]["xaxis"]["title"]["text"] == "time (UTC)"
+    cycle = next(t for t in fig["data"] if t["name"] == "restart · in-process")
+    hover = cycle["customdata"][0]
+    for part in ("detect", "abort", "restart", "reload", "first step", "recovery"):
+        assert part in hover
+    fault = next(t for t in fig["data"] if t["name"] == "fault · exception")
+    assert fault["y"] == [4]  # rank 2 is the 4th lane
+    assert tl["follow"] is True and tl["open"]  # the training bar is open: the page extends it live
+    t0, t1 = fig["layout"]["xaxis"]["range"]
+    assert (t1 - t0) / 1000 <= sections.FOLLOW_WINDOW_S + 5
+
+
+@pytest.mark.django_db
+def test_it_marks_failed_and_sync_saves_on_the_checkpoint_chart():
+    now = timezone.now()
+    job = make_job(now=now)
+    make_checkpoint(job, 20, started_at=now - timedelta(seconds=100), mode="sync", blocking_s=2.0)
+    make_checkpoint(job, 40, started_at=now - timedelta(seconds=80), mode="async")
+    make_checkpoint(job, 60, started_at=now - timedelta(seconds=60), state="failed", durable_s=5.0)
+    make_checkpoint(job, 80, started_at=now - timedelta(seconds=40), state="abandoned", durable_s=None)
+    fig = sections.checkpoint_part(job)["chart"]["figure"]
+    names = {t["name"] for t in fig["data"]}
+    assert {"blocked · sync", "blocked · async", "time to durable · sync", "time to durable · async", "failed",
+            "abandoned", "write throughput (MB/s)"} <= names
+    assert fig["layout"]["yaxis"]["type"] == "log"
