@@ -1,0 +1,140 @@
+"""Checkpoint benchmark: the `small` preset (~160 MB of model + AdamW state across 2 ranks, gloo on CPU).
+
+One run, 2 ranks: sync saves and async saves (the trainer's Checkpointer: own gloo group, THREAD
+executor, persistent stager with background staging, wait before optimizer.step), then throughput in
+alternating 10-step windows with no save and with one async save (= a save every 10 steps; the save
+must complete inside its window). Medians over the repeats; efficiency is the median of the paired
+window ratios (no save / with save), which cancels most drift from other load on the machine.
+
+    python tests/bench/bench_checkpoint.py [--repeats 3]
+
+Last line: sync_block_s=<X> async_block_s=<Y> block_ratio=<Y/X> efficiency=<E>
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+
+def worker(run_dir: str, repeats: int, window: int) -> None:
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from trainer.checkpoint import Checkpointer, TrainState
+    from trainer.model import PRESETS, build_model, make_batch
+    from trainer.wire import CheckpointMode
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    ckpt_pg = dist.new_group(backend="gloo")
+    preset = PRESETS["small"]
+    model = build_model(preset, seed=0, device=torch.device("cpu"))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    state = TrainState(model, opt)
+    events: list[dict] = []
+    ck = Checkpointer(root=os.path.join(run_dir, "checkpoints"), mode=CheckpointMode.ASYNC, keep=2, pg=ckpt_pg,
+                      report=lambda kind, data: events.append(data))
+    step = 0
+
+    def train_step() -> None:
+        nonlocal step
+        x, y = make_batch(preset, seed=0, step=step, rank=rank, batch_size=preset.batch_size,
+                          device=torch.device("cpu"))
+        logits = model(x)
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+        loss.item()
+        loss.backward()
+        ck.maybe_wait_for_staging()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        step += 1
+        ck.poll()
+
+    for _ in range(3):
+        train_step()
+    # Warm the persistent stager (first async save allocates its buffers), as a long run would be.
+    ck.save(state, step)
+    for _ in range(3):
+        train_step()
+    ck.wait()
+
+    sync_block = []
+    for _ in range(repeats):
+        dist.barrier()
+        t = time.perf_counter()
+        ck.save(state, step, mode=CheckpointMode.SYNC)
+        sync_block.append(time.perf_counter() - t)
+        train_step()
+
+    plain, with_save, async_block = [], [], []
+    for _ in range(repeats):
+        dist.barrier()
+        t = time.perf_counter()
+        for _ in range(window):
+            train_step()
+        plain.append(time.perf_counter() - t)
+        dist.barrier()
+        n_events = len(events)
+        t = time.perf_counter()
+        ck.save(state, step)
+        for _ in range(window):
+            train_step()
+        ck.wait()
+        with_save.append(time.perf_counter() - t)
+        if rank == 0:
+            durable = [e for e in events[n_events:] if e["state"] == "durable"]
+            async_block.append(durable[-1]["blocking_s"])
+    ck.close()
+    if rank == 0:
+        state_mb = sum(os.path.getsize(os.path.join(d, f)) for d in [os.path.join(run_dir, "checkpoints",
+                       sorted(os.listdir(os.path.join(run_dir, "checkpoints")))[-1])]
+                       for f in os.listdir(d)) / 1e6
+        print(f"checkpoint size {state_mb:.0f} MB; step {statistics.median(plain) / window:.3f} s", flush=True)
+        print(f"sync blocking   {[round(x, 3) for x in sync_block]}", flush=True)
+        print(f"async blocking  {[round(x, 4) for x in async_block]}", flush=True)
+        print(f"{window} steps, no save      {[round(x, 2) for x in plain]}", flush=True)
+        print(f"{window} steps, 1 async save {[round(x, 2) for x in with_save]}", flush=True)
+        s, a = statistics.median(sync_block), statistics.median(async_block)
+        # Paired windows (adjacent in time) cancel most of the drift from other load on the machine.
+        eff = statistics.median(pl / ws for pl, ws in zip(plain, with_save))
+        print(f"load average {os.getloadavg()}", flush=True)
+        print(f"sync_block_s={s:.4f} async_block_s={a:.4f} block_ratio={a / s:.4f} efficiency={eff:.4f}",
+              flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--window", type=int, default=10)
+    p.add_argument("--worker", action="store_true")
+    p.add_argument("--run-dir", default=None)
+    a = p.parse_args()
+    if a.worker:
+        worker(a.run_dir, a.repeats, a.window)
+        return 0
+    run_dir = tempfile.mkdtemp(prefix="bench-ckpt-")
+    env = dict(os.environ, OMP_NUM_THREADS="1", TORCH_CPP_LOG_LEVEL="ERROR", PYTHONPATH=str(ROOT))
+    try:
+        return subprocess.call([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                "--nproc-per-node", "2", __file__, "--worker", "--run-dir", run_dir,
+                                "--repeats", str(a.repeats), "--window", str(a.window)], env=env, cwd=ROOT)
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
