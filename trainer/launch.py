@@ -125,6 +125,7 @@ class LauncherHooks:
     def __init__(self, *, reporter: Reporter, attempt: int, app_store: Any, in_job: bool):
         self.reporter, self.attempt, self.app_store, self.in_job = reporter, attempt, app_store, in_job
         self.restarting_cycle: str | None = None
+        self._reported: set[tuple[int, str]] = set()
 
     def install(self, agent_cls: Any) -> None:
         hooks = self
@@ -172,6 +173,9 @@ class LauncherHooks:
         spec = wg.spec
         remaining = agent._remaining_restarts
         round_ = spec.max_restarts - remaining
+        if (round_, result.state.name) in self._reported:  # the agent may look twice before giving up
+            return
+        self._reported.add((round_, result.state.name))
         failures = {int(r): {"exitcode": f.exitcode, "signal": f.signal_name(), "pid": f.pid,
                              "local_rank": f.local_rank} for r, f in result.failures.items()}
         desc = ", ".join(f"rank {r}: exit {f['exitcode']}" + (f" ({f['signal']})" if f["signal"] else "")
