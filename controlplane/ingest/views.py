@@ -91,62 +91,89 @@ def clear_caches() -> None:
 _UNAUTHORIZED = {"WWW-Authenticate": 'Bearer realm="unbroken-ingest"'}
 
 
-@csrf_exempt
-def ingest(request: HttpRequest, job_id: int) -> HttpResponse:
-    if request.method != "POST":
-        return error(405, "use POST with a JSON batch (see /api/v1/openapi.json)", headers={"Allow": "POST"})
-    auth = request.META.get("HTTP_AUTHORIZATION", "")
-    scheme, _, token = auth.partition(" ")
+def handle(job_id: int, authorization: str, content_length: str | None, body: bytes) -> tuple[int, dict, dict]:
+    """The whole ingest request, transport-free: (status, JSON payload, extra headers).
+
+    Shared by the Django view and the raw ASGI fast path (controlplane/ingest/asgi.py).
+    Order: token, size, JSON, wire format, write; every refusal happens before any write.
+    """
+    scheme, _, token = authorization.partition(" ")
     token = token.strip()
     if scheme.lower() != "bearer" or not token:
-        return error(401, "send the job's ingest token as 'Authorization: Bearer <token>'", headers=_UNAUTHORIZED)
-    job = _cached_job(job_id)
+        return _err(401, "send the job's ingest token as 'Authorization: Bearer <token>'", headers=_UNAUTHORIZED)
+    try:
+        job = _cached_job(job_id)
+    except DatabaseError as e:
+        log.error("ingest: cannot load job %s: %s", job_id, e)
+        return _err(503, "the database is unavailable; retry later (retries are safe)", headers=_RETRY)
     # Same work whether or not the job exists: a wrong token learns nothing about job ids.
     if job is None or not job.token_hash:
         Job(token_hash=_NO_HASH).token_matches(token)
-        return error(401, "this token is not valid for this job", headers=_UNAUTHORIZED)
+        return _err(401, "this token is not valid for this job", headers=_UNAUTHORIZED)
     if not job.token_matches(token):
-        return error(401, "this token is not valid for this job", headers=_UNAUTHORIZED)
+        return _err(401, "this token is not valid for this job", headers=_UNAUTHORIZED)
 
     limit = settings.INGEST_MAX_BODY_BYTES
     too_big = f"the body is over {limit} bytes; send smaller batches"
     try:
-        declared = int(request.META.get("CONTENT_LENGTH") or 0)
+        declared = int(content_length or 0)
     except ValueError:
-        return error(400, "Content-Length is not a number")
-    if declared > limit:
-        return error(413, too_big)
-    body = request.read(limit + 1)
-    if len(body) > limit:
-        return error(413, too_big)
+        return _err(400, "Content-Length is not a number")
+    if declared > limit or len(body) > limit:
+        return _err(413, too_big)
     try:
         obj = orjson.loads(body)
     except orjson.JSONDecodeError as e:
-        return error(400, f"the body is not valid JSON: {e}")
+        return _err(400, f"the body is not valid JSON: {e}")
 
     now_ts = time.time()
-    try:
-        batch = parse_batch(obj, now=now_ts, world_size=job.world_size)
-        ingestion.check_batch(batch)
-    except WireError as e:
-        return error(422, e.message, e.field)
+    beats = ingestion.parse_heartbeats_fast(obj, now=now_ts, world_size=job.world_size)
+    batch = None
+    if beats is None:
+        try:
+            batch = parse_batch(obj, now=now_ts, world_size=job.world_size)
+            ingestion.check_batch(batch)
+        except WireError as e:
+            return _err(422, e.message, e.field)
 
     now = utc(now_ts)
     for attempt in range(_DB_TRIES):
         try:
-            result = ingestion.record_batch(job, batch, now=now)
+            if batch is None:
+                result = ingestion.record_heartbeats(job, beats, now=now)
+            else:
+                result = ingestion.record_batch(job, batch, now=now)
             break
         except OperationalError as e:  # deadlock, serialization failure, lost connection: retry, then 503
             if attempt == _DB_TRIES - 1:
                 log.error("ingest for job %s failed: %s", job_id, e)
-                return error(503, "the database is unavailable; retry later (retries are safe)",
-                             headers={"Retry-After": "1"})
+                return _err(503, "the database is unavailable; retry later (retries are safe)", headers=_RETRY)
     try:
         commands = _pending_commands(job)
     except DatabaseError:
         commands = []  # the batch is stored; commands come with the next one
-    return _json({"accepted": result.to_wire(), "commands": commands, "server_time": time.time(),
-                  "job_status": job.status})
+    return 200, {"accepted": result.to_wire(), "commands": commands, "server_time": time.time(),
+                 "job_status": job.status}, {}
+
+
+def _err(status: int, message: str, field: str | None = None,
+         headers: dict[str, str] | None = None) -> tuple[int, dict, dict]:
+    return status, {"error": message, "field": field or None}, headers or {}
+
+
+_RETRY = {"Retry-After": "1"}
+
+
+@csrf_exempt
+def ingest(request: HttpRequest, job_id: int) -> HttpResponse:
+    if request.method != "POST":
+        return error(405, "use POST with a JSON batch (see /api/v1/openapi.json)", headers={"Allow": "POST"})
+    limit = settings.INGEST_MAX_BODY_BYTES
+    # Read at most one byte over the limit (request.body would apply DATA_UPLOAD_MAX_MEMORY_SIZE instead).
+    body = request.read(limit + 1)
+    status, payload, headers = handle(job_id, request.META.get("HTTP_AUTHORIZATION", ""),
+                                      request.META.get("CONTENT_LENGTH"), body)
+    return _json(payload, status, headers)
 
 
 def openapi(request: HttpRequest) -> HttpResponse:

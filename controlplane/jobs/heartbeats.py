@@ -5,11 +5,12 @@ Two stores with the same interface (``record``, ``flush``, ``overdue``, ``freshe
 - ``DbHeartbeatStore`` (no ``REDIS_URL``): each batch upserts its ranks' rows inside the ingest
   transaction. Rank rows are always current.
 - ``RedisHeartbeatStore`` (``REDIS_URL`` set): one Lua call per batch keeps a packed per-rank state
-  (``HSET``), a global deadline ZSET (``ZADD``) and a dirty set (``SADD``); ``flush()`` upserts the
+  (two ``HSET``s: at and state by rank), a global deadline ZSET (``ZADD``) and a dirty set (``SADD``); ``flush()`` upserts the
   dirty ranks' rows and the jobs' progress from it. The watchdog reads the deadline ZSET, so lost-rank
   detection does not wait for a flush.
 
-Accepted trade-off (Redis store): ``Rank`` rows, ``Job.last_step/max_step/last_progress_at`` and so the
+Accepted trade-offs (Redis store): ``Rank.step_changed_at`` is known to one flush interval (the flush
+sees the step change, not the beat that made it; stall timeouts are minutes). ``Rank`` rows, ``Job.last_step/max_step/last_progress_at`` and so the
 dashboard and stall detection lag Redis by at most one flush interval plus the flush's own duration
 (``HEARTBEAT_FLUSH_INTERVAL_S``, 2 s by default). Heartbeat-lost detection does not lag: the watchdog
 reads deadlines from Redis and writes the freshest state of a rank before it claims it. Redis runs
@@ -29,6 +30,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Iterable, Protocol
 
+import orjson
 from django.conf import settings
 from django.db import connection, transaction
 
@@ -68,12 +70,12 @@ class Timeouts:
 
 @dataclass(slots=True)
 class RankState:
-    """A rank's newest heartbeat plus when its step last changed (unix seconds)."""
+    """A rank's newest heartbeat plus since when its step held (unix seconds)."""
 
     rank: int
     at: float
     step: int
-    step_since: float  # earliest ``at`` at which the rank reported ``step`` (in this run of beats)
+    step_since: float  # earliest ``at`` of the current run of beats with this step (as far as known)
     phase: str
     loss: float | None = None
     step_time_s: float | None = None
@@ -82,60 +84,47 @@ class RankState:
     pid: int | None = None
 
     @classmethod
-    def of(cls, hb: Heartbeat, step_since: float | None = None) -> RankState:
-        return cls(hb.rank, hb.at, hb.step, hb.at if step_since is None else step_since, hb.phase, hb.loss,
-                   hb.step_time_s, hb.tokens_per_s, hb.node, hb.pid)
-
-    # Packed for Redis: "at|step|step_since|phase|loss|step_time_s|tokens_per_s|pid|node" (node last:
-    # it is the only free text; wire.py limits it to 253 characters, '|' in it is harmless there).
-    def pack_tail(self) -> str:
-        return (f"{self.phase}|{_f(self.loss)}|{_f(self.step_time_s)}|{_f(self.tokens_per_s)}|"
-                f"{'' if self.pid is None else self.pid}|{self.node}")
-
-    @classmethod
-    def unpack(cls, rank: int, raw: bytes | str) -> RankState:
-        s = raw.decode() if isinstance(raw, bytes) else raw
-        at, step, since, phase, loss, st, tps, pid, node = s.split("|", 8)
-        return cls(rank, float(at), int(step), float(since), phase, _opt(loss), _opt(st), _opt(tps), node,
-                   int(pid) if pid else None)
+    def of(cls, b: dict, step_since: float | None = None) -> RankState:
+        """From a beat dict (the wire heartbeat's fields; optional ones may be missing)."""
+        at = float(b["at"])
+        return cls(b["rank"], at, b["step"], at if step_since is None else step_since, b["phase"], b.get("loss"),
+                   b.get("step_time_s"), b.get("tokens_per_s"), b.get("node") or "", b.get("pid"))
 
 
-def _f(v: float | None) -> str:
-    return "" if v is None else repr(v)
+def beat_dict(hb: Heartbeat) -> dict:
+    return {"rank": hb.rank, "step": hb.step, "phase": hb.phase, "at": hb.at, "loss": hb.loss,
+            "step_time_s": hb.step_time_s, "tokens_per_s": hb.tokens_per_s, "node": hb.node, "pid": hb.pid}
 
 
-def _opt(s: str) -> float | None:
-    return float(s) if s else None
-
-
-def newest_per_rank(heartbeats: Iterable[Heartbeat]) -> dict[int, RankState]:
-    """Collapse a batch to each rank's newest heartbeat, remembering since when its step held.
+def newest_per_rank(beats: Iterable[dict]) -> dict[int, RankState]:
+    """Collapse beats to each rank's newest, remembering since when its step held.
 
     Out-of-order beats inside a batch are placed by their own ``at``.
     """
-    newest: dict[int, Heartbeat] = {}
-    dups: dict[int, list[Heartbeat]] | None = None
-    for hb in heartbeats:
-        prev = newest.get(hb.rank)
+    newest: dict[int, dict] = {}
+    dups: dict[int, list[dict]] | None = None
+    for b in beats:
+        r = b["rank"]
+        prev = newest.get(r)
         if prev is None:
-            newest[hb.rank] = hb
+            newest[r] = b
             continue
         if dups is None:
             dups = {}
-        dups.setdefault(hb.rank, [prev]).append(hb)
-        if hb.at > prev.at:
-            newest[hb.rank] = hb
-    out = {r: RankState.of(hb) for r, hb in newest.items()}
+        dups.setdefault(r, [prev]).append(b)
+        if b["at"] > prev["at"]:
+            newest[r] = b
+    out = {r: RankState.of(b) for r, b in newest.items()}
     if dups:
-        for r, beats in dups.items():
-            beats.sort(key=lambda b: b.at)
-            last = beats[-1]
-            since = last.at
-            for b in reversed(beats):
-                if b.step != last.step:
+        for r, group in dups.items():
+            group.sort(key=lambda b: b["at"])
+            last = group[-1]
+            since = last["at"]
+            for b in reversed(group):
+                if b["step"] != last["step"]:
                     break
-                since = b.at
-            out[r].step_since = since
+                since = b["at"]
+            out[r].step_since = float(since)
     return out
 
 
@@ -229,7 +218,7 @@ def update_job_progress(job_id: int, states: Iterable[RankState]) -> None:
 class HeartbeatStore(Protocol):
     in_transaction: bool  # True: ``record`` must run inside the ingest transaction (it writes rows)
 
-    def record(self, job_id: int, states: dict[int, RankState], timeouts: Timeouts, *, now: datetime) -> None: ...
+    def record(self, job_id: int, beats: list[dict], timeouts: Timeouts, *, now: datetime) -> None: ...
 
     def flush(self, *, now: datetime | None = None) -> int: ...
 
@@ -247,9 +236,10 @@ class DbHeartbeatStore:
 
     in_transaction = True
 
-    def record(self, job_id: int, states: dict[int, RankState], timeouts: Timeouts, *, now: datetime) -> None:
-        upsert_ranks(job_id, states.values(), timeouts, now=now)
-        update_job_progress(job_id, states.values())
+    def record(self, job_id: int, beats: list[dict], timeouts: Timeouts, *, now: datetime) -> None:
+        states = newest_per_rank(beats).values()
+        upsert_ranks(job_id, states, timeouts, now=now)
+        update_job_progress(job_id, states)
 
     def flush(self, *, now: datetime | None = None) -> int:
         return 0
@@ -267,49 +257,49 @@ class DbHeartbeatStore:
         pass
 
 
-# KEYS: 1 state hash of the job, 2 deadline zset, 3 dirty set
-# ARGV: job_id, then 6 values per rank: rank, at, step, step_since, deadline ("" = none), packed tail
+# KEYS: 1 the job's at-by-rank hash, 2 its state-by-rank hash, 3 deadline zset, 4 dirty set
+# ARGV: 1 job id, then 4 per beat: rank, at, deadline ("" = none), state JSON. Flat arguments: cheaper
+# for Redis than decoding one JSON argument (cjson is slow on escaped strings).
+# A beat is taken only if its ``at`` is later than the stored one (and than an earlier beat of the
+# same rank in this batch): heartbeat state only moves forward in time.
 _RECORD_LUA = """
 local job = ARGV[1]
-local n = (#ARGV - 1) / 6
+local n = (#ARGV - 1) / 4
 local fields = {}
-for i = 0, n - 1 do fields[i + 1] = ARGV[2 + i * 6] end
-local old = {}
+for i = 0, n - 1 do fields[i + 1] = ARGV[2 + i * 4] end
+local best = {}
 for i = 1, n, 4000 do
   local part = redis.call('HMGET', KEYS[1], unpack(fields, i, math.min(i + 3999, n)))
-  for j = 1, #part do old[i + j - 1] = part[j] end
-end
-local hset, zadd, zrem, dirty = {}, {}, {}, {}
-for i = 0, n - 1 do
-  local b = 2 + i * 6
-  local rank, at, step, since, deadline, tail = ARGV[b], ARGV[b + 1], ARGV[b + 2], ARGV[b + 3], ARGV[b + 4], ARGV[b + 5]
-  local prev = old[i + 1]
-  local newer = true
-  if prev then
-    local pat, pstep, psince = string.match(prev, '^([^|]*)|([^|]*)|([^|]*)|')
-    if tonumber(pat) >= tonumber(at) then
-      newer = false
-    elseif pstep == step then
-      since = psince
-    end
+  for j = 1, #part do
+    if part[j] then best[fields[i + j - 1]] = tonumber(part[j]) end
   end
-  if newer then
+end
+local ats, states, zadd, zrem, dirty = {}, {}, {}, {}, {}
+for i = 0, n - 1 do
+  local b = 2 + i * 4
+  local rank, at = ARGV[b], tonumber(ARGV[b + 1])
+  local prev = best[rank]
+  if prev == nil or at > prev then
+    best[rank] = at
     local member = job .. ':' .. rank
-    hset[#hset + 1] = rank
-    hset[#hset + 1] = at .. '|' .. step .. '|' .. since .. '|' .. tail
-    if deadline == '' then
+    ats[#ats + 1] = rank
+    ats[#ats + 1] = ARGV[b + 1]
+    states[#states + 1] = rank
+    states[#states + 1] = ARGV[b + 3]
+    if ARGV[b + 2] == '' then
       zrem[#zrem + 1] = member
     else
-      zadd[#zadd + 1] = deadline
+      zadd[#zadd + 1] = ARGV[b + 2]
       zadd[#zadd + 1] = member
     end
     dirty[#dirty + 1] = member
   end
 end
-for i = 1, #hset, 4000 do redis.call('HSET', KEYS[1], unpack(hset, i, math.min(i + 3999, #hset))) end
-for i = 1, #zadd, 4000 do redis.call('ZADD', KEYS[2], unpack(zadd, i, math.min(i + 3999, #zadd))) end
-for i = 1, #zrem, 4000 do redis.call('ZREM', KEYS[2], unpack(zrem, i, math.min(i + 3999, #zrem))) end
-for i = 1, #dirty, 4000 do redis.call('SADD', KEYS[3], unpack(dirty, i, math.min(i + 3999, #dirty))) end
+for i = 1, #ats, 4000 do redis.call('HSET', KEYS[1], unpack(ats, i, math.min(i + 3999, #ats))) end
+for i = 1, #states, 4000 do redis.call('HSET', KEYS[2], unpack(states, i, math.min(i + 3999, #states))) end
+for i = 1, #zadd, 4000 do redis.call('ZADD', KEYS[3], unpack(zadd, i, math.min(i + 3999, #zadd))) end
+for i = 1, #zrem, 4000 do redis.call('ZREM', KEYS[3], unpack(zrem, i, math.min(i + 3999, #zrem))) end
+for i = 1, #dirty, 4000 do redis.call('SADD', KEYS[4], unpack(dirty, i, math.min(i + 3999, #dirty))) end
 return #dirty
 """
 
@@ -355,18 +345,24 @@ class RedisHeartbeatStore:
         self._take = self.redis.register_script(_TAKE_DIRTY_LUA)
         self._forget = self.redis.register_script(_FORGET_LUA)
 
-    def state_key(self, job_id: int) -> str:
-        return f"{self.prefix}:job:{job_id}"
+    def keys(self, job_id: int) -> tuple[str, str]:
+        """The job's two hashes: rank -> at, rank -> state (the beat as JSON)."""
+        return f"{self.prefix}:job:{job_id}:at", f"{self.prefix}:job:{job_id}:state"
 
-    def record(self, job_id: int, states: dict[int, RankState], timeouts: Timeouts, *, now: datetime) -> None:
+    def record(self, job_id: int, beats: list[dict], timeouts: Timeouts, *, now: datetime) -> None:
+        """One Lua call: the script keeps only beats newer than the stored ones (atomically)."""
+        step_s, ckpt_s = timeouts.step_s, timeouts.checkpoint_s
         args: list = [job_id]
-        for s in states.values():
-            d = timeouts.deadline(s.phase, s.at)
-            args += (s.rank, repr(s.at), s.step, repr(s.step_since), "" if d is None else repr(d), s.pack_tail())
-        key = self.state_key(job_id)
+        dumps = orjson.dumps
+        for b in beats:
+            phase, at = b["phase"], b["at"]
+            deadline = "" if phase == _STOPPED else repr(at + (ckpt_s if phase in _SLOW_PHASES else step_s))
+            args += (b["rank"], repr(at), deadline, dumps(b))
+        ats, states = self.keys(job_id)
         pipe = self.redis.pipeline(transaction=False)
-        self._record(keys=[key, self.DEADLINES, self.DIRTY], args=args, client=pipe)
-        pipe.expire(key, self.STATE_TTL_S)
+        self._record(keys=[ats, states, self.DEADLINES, self.DIRTY], args=args, client=pipe)
+        pipe.expire(ats, self.STATE_TTL_S)
+        pipe.expire(states, self.STATE_TTL_S)
         pipe.execute()
 
     def flush(self, *, now: datetime | None = None) -> int:
@@ -419,12 +415,13 @@ class RedisHeartbeatStore:
 
     def freshest(self, job_id: int, ranks: list[int]) -> dict[int, RankState]:
         out: dict[int, RankState] = {}
-        key = self.state_key(job_id)
+        key = self.keys(job_id)[1]
         for i in range(0, len(ranks), 5000):
             part = ranks[i:i + 5000]
-            for r, raw in zip(part, self.redis.hmget(key, part), strict=True):
+            for raw in self.redis.hmget(key, part):
                 if raw is not None:
-                    out[r] = RankState.unpack(r, raw)
+                    st = RankState.of(orjson.loads(raw))
+                    out[st.rank] = st
         return out
 
     def forget(self, entries: list[tuple[int, int, float]]) -> None:
@@ -436,11 +433,11 @@ class RedisHeartbeatStore:
 
     def drop_job(self, job_id: int) -> None:
         """Forget a job's heartbeat state (it finished or was deleted)."""
-        key = self.state_key(job_id)
-        ranks = [int(r) for r in self.redis.hkeys(key)]
+        ats, states = self.keys(job_id)
+        ranks = [int(r) for r in self.redis.hkeys(ats)]
         for i in range(0, len(ranks), 5000):
             self.redis.zrem(self.DEADLINES, *[f"{job_id}:{r}" for r in ranks[i:i + 5000]])
-        self.redis.delete(key)
+        self.redis.delete(ats, states)
 
 
 _store: HeartbeatStore | None = None

@@ -38,6 +38,10 @@ from controlplane.jobs.models import (
 )
 from controlplane.jobs.services import set_status
 from trainer.wire import (
+    MAX_CLOCK_SKEW_S,
+    MAX_FUTURE_S,
+    MAX_HEARTBEATS,
+    WIRE_VERSION,
     Batch,
     CheckpointMode,
     CheckpointState,
@@ -58,6 +62,10 @@ _CKPT_STATES = frozenset(CheckpointState)
 _CKPT_MODES = frozenset(CheckpointMode)
 _FINAL_CKPT = (CheckpointState.DURABLE, CheckpointState.FAILED, CheckpointState.ABANDONED)
 _OPEN_COMMANDS = (CommandStatus.PENDING, CommandStatus.DELIVERED)
+_PHASE_SET = frozenset(p.value for p in Phase)
+_HB_KEYS = frozenset({"rank", "step", "phase", "at", "loss", "step_time_s", "tokens_per_s", "node", "pid"})
+_NUMBER = frozenset({int, float})
+_OPT_NUMBER = frozenset({int, float, type(None)})
 
 
 @dataclass(slots=True)
@@ -124,45 +132,92 @@ def check_batch(batch: Batch) -> None:
 # --- writing -------------------------------------------------------------------------------------------
 
 
+def parse_heartbeats_fast(obj: Any, *, now: float, world_size: int) -> list[dict] | None:
+    """The hot path's validator for the common batch: heartbeats only, known keys only.
+
+    Returns the heartbeat dicts when they are certainly valid (the same rules as ``wire.parse_batch``,
+    unrolled: ~5x cheaper than building ``Heartbeat`` objects), else ``None``: the caller then runs
+    ``wire.parse_batch``, which accepts or names the offending field. Never accepts what ``parse_batch``
+    refuses (tests/controlplane/jobs/test_ingestion.py compares the two on mutated batches).
+    """
+    if type(obj) is not dict or obj.get("v", WIRE_VERSION) != WIRE_VERSION or obj.get("events"):
+        return None
+    sent_at = obj.get("sent_at")
+    hbs = obj.get("heartbeats")
+    source = obj.get("source", "")
+    if (type(sent_at) not in _NUMBER or abs(sent_at - now) > MAX_CLOCK_SKEW_S or type(hbs) is not list
+            or len(hbs) > MAX_HEARTBEATS or type(source) is not str or len(source) > 128
+            or ("events" in obj and type(obj["events"]) is not list)):
+        return None
+    latest = sent_at + MAX_FUTURE_S
+    phases, keys, number, opt = _PHASE_SET, _HB_KEYS, _NUMBER, _OPT_NUMBER
+    for h in hbs:
+        if type(h) is not dict or not keys.issuperset(h):
+            return None
+        rank, step, at = h.get("rank"), h.get("step"), h.get("at")
+        if (type(rank) is not int or not 0 <= rank < world_size or type(step) is not int or step < 0
+                or type(at) not in number or at > latest or h.get("phase") not in phases
+                or type(h.get("loss")) not in opt or type(h.get("step_time_s")) not in opt
+                or type(h.get("tokens_per_s")) not in opt):
+            return None
+        node, pid = h.get("node", ""), h.get("pid")
+        if type(node) is not str or len(node) > 253 or (pid is not None and (type(pid) is not int or pid < 0)):
+            return None
+    return hbs
+
+
 def record_batch(job: Job, batch: Batch, *, now: datetime,
                  store: hb_store.HeartbeatStore | None = None) -> IngestResult:
     """Store ``batch`` for ``job`` (already authorised and validated by ``parse_batch``/``check_batch``)."""
+    return _record(job, [hb_store.beat_dict(h) for h in batch.heartbeats], batch.events, batch.source,
+                   now=now, store=store)
+
+
+def record_heartbeats(job: Job, beats: list[dict], *, now: datetime,
+                      store: hb_store.HeartbeatStore | None = None) -> IngestResult:
+    """Store heartbeat dicts accepted by ``parse_heartbeats_fast`` (a batch without events)."""
+    return _record(job, beats, [], "", now=now, store=store)
+
+
+def _record(job: Job, beats: list[dict], events: list[Any], source: str, *, now: datetime,
+            store: hb_store.HeartbeatStore | None) -> IngestResult:
     store = store or hb_store.get_store()
     timeouts = hb_store.Timeouts.of(job.spec)
-    states = hb_store.newest_per_rank(batch.heartbeats)
     n_new = 0
-    with transaction.atomic():
-        if batch.events:
-            new = _insert_events(job, batch, now)
-            n_new = len(new)
-            if new:
-                apply_events(job, new, now=now)
-        if states:
-            if store.in_transaction:
-                store.record(job.pk, states, timeouts, now=now)
-            _maybe_running(job, states)
-    if states and not store.in_transaction:
+    launching = job.status in (JobStatus.PENDING, JobStatus.LAUNCHING)
+    if events or (beats and (store.in_transaction or launching)):
+        with transaction.atomic():
+            if events:
+                new = _insert_events(job, events, source, now)
+                n_new = len(new)
+                if new:
+                    apply_events(job, new, now=now)
+            if beats:
+                if store.in_transaction:
+                    store.record(job.pk, beats, timeouts, now=now)
+                if launching:
+                    _maybe_running(job, beats)
+    if beats and not store.in_transaction:
         try:
-            store.record(job.pk, states, timeouts, now=now)
+            store.record(job.pk, beats, timeouts, now=now)
         except Exception as e:  # noqa: BLE001 - any store failure: keep the facts in the database instead
             log.warning("heartbeat store failed (%s); writing job %s's heartbeats to the database", e, job.pk)
             with transaction.atomic():
-                hb_store.DbHeartbeatStore().record(job.pk, states, timeouts, now=now)
-    return IngestResult(heartbeats=len(batch.heartbeats), events=n_new, duplicates=len(batch.events) - n_new)
+                hb_store.DbHeartbeatStore().record(job.pk, beats, timeouts, now=now)
+    return IngestResult(heartbeats=len(beats), events=n_new, duplicates=len(events) - n_new)
 
 
-def _maybe_running(job: Job, states: dict[int, hb_store.RankState]) -> None:
-    """LAUNCHING -> RUNNING on the first train heartbeat (cheap: only while the job is launching)."""
-    if job.status in (JobStatus.PENDING, JobStatus.LAUNCHING) and any(
-            s.phase == Phase.TRAIN for s in states.values()):
+def _maybe_running(job: Job, beats: list[dict]) -> None:
+    """LAUNCHING -> RUNNING on the first train heartbeat (checked only while the job is launching)."""
+    if any(b["phase"] == Phase.TRAIN for b in beats):
         set_status(job, JobStatus.RUNNING, "training", only_from=(JobStatus.PENDING, JobStatus.LAUNCHING))
 
 
-def _insert_events(job: Job, batch: Batch, now: datetime) -> list[Any]:
+def _insert_events(job: Job, batch_events: list[Any], source: str, now: datetime) -> list[Any]:
     """Insert the batch's events; return those that were new (each retried id is skipped)."""
     seen: set[str] = set()
     events = []
-    for e in batch.events:  # one id twice in one batch: the first wins
+    for e in batch_events:  # one id twice in one batch: the first wins
         if e.id not in seen:
             seen.add(e.id)
             events.append(e)
@@ -171,7 +226,7 @@ def _insert_events(job: Job, batch: Batch, now: datetime) -> list[Any]:
     received = adapt(now)
     params: list = []
     for e in events:
-        params += (job.pk, e.id, e.kind, e.rank, adapt(hb_store.utc(e.at)), received, batch.source,
+        params += (job.pk, e.id, e.kind, e.rank, adapt(hb_store.utc(e.at)), received, source,
                    data_field.get_db_prep_save(e.data, connection))
     sql = ("INSERT INTO jobs_event (job_id, event_id, kind, rank, at, received_at, source, data) VALUES "
            + ", ".join(["(%s, %s, %s, %s, %s, %s, %s, %s)"] * len(events))

@@ -1,0 +1,103 @@
+"""Raw ASGI fast path for ``POST /api/v1/jobs/<id>/ingest``; everything else goes to Django.
+
+Why: under Django's ASGI handler every request runs its sync view in a fresh thread context, so
+persistent database connections are not reused (each request opens a new Postgres connection) and
+the middleware stack costs more than the ingest work of a small batch. Here the request is read by
+the event loop and handed, whole, to ONE dedicated thread per server process, which keeps its
+database connection (``CONN_MAX_AGE``) and calls the same ``views.handle`` as the Django view (same
+checks, same answers). Host checking and middleware do not apply to this machine-facing route;
+authentication is the job token.
+
+Use: ``application = with_ingest(get_asgi_application())`` (this module's ``application`` does that
+for ``controlplane.asgi.application``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+from concurrent.futures import ThreadPoolExecutor
+
+import orjson
+from django.conf import settings
+
+log = logging.getLogger(__name__)
+
+_PATH = re.compile(r"^/api/v1/jobs/(\d{1,18})/ingest$")
+_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ingest")
+
+
+def _run(job_id: int, authorization: str, content_length: str | None, body: bytes) -> tuple[int, dict, dict]:
+    from django.db import close_old_connections
+
+    from controlplane.ingest import views
+
+    close_old_connections()  # what Django's request_started signal does: drop broken/expired connections
+    try:
+        return views.handle(job_id, authorization, content_length, body)
+    except Exception:
+        log.exception("ingest for job %s failed", job_id)
+        close_old_connections()
+        return 500, {"error": "internal error; the batch was not stored, retry later", "field": None}, {}
+
+
+async def _respond(send, status: int, payload: dict, headers: dict[str, str]) -> None:
+    body = orjson.dumps(payload)
+    hs = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    hs += [(k.lower().encode(), v.encode()) for k, v in headers.items()]
+    await send({"type": "http.response.start", "status": status, "headers": hs})
+    await send({"type": "http.response.body", "body": body})
+
+
+async def _ingest(scope, receive, send, job_id: int) -> None:
+    if scope["method"] != "POST":
+        await _respond(send, 405, {"error": "use POST with a JSON batch (see /api/v1/openapi.json)",
+                                   "field": None}, {"Allow": "POST"})
+        return
+    headers = dict(scope["headers"])
+    auth = headers.get(b"authorization", b"").decode("latin-1")
+    clen = headers.get(b"content-length")
+    limit = settings.INGEST_MAX_BODY_BYTES
+    chunks: list[bytes] = []
+    size = 0
+    more = True
+    while more:
+        msg = await receive()
+        if msg["type"] == "http.disconnect":
+            return
+        chunk = msg.get("body", b"")
+        more = msg.get("more_body", False)
+        if size <= limit:  # keep at most limit+1 bytes; drain the rest
+            chunks.append(chunk[: limit + 1 - size])
+        size += len(chunk)
+    body = b"".join(chunks)
+    loop = asyncio.get_running_loop()
+    status, payload, extra = await loop.run_in_executor(
+        _executor, _run, job_id, auth, clen.decode("latin-1") if clen else None, body)
+    await _respond(send, status, payload, extra)
+
+
+def with_ingest(app):
+    """Wrap an ASGI app so the ingest route takes the fast path."""
+    if getattr(app, "has_ingest_fast_path", False):
+        return app
+
+    async def application(scope, receive, send):
+        if scope["type"] == "http":
+            m = _PATH.match(scope["path"])
+            if m is not None:
+                return await _ingest(scope, receive, send, int(m[1]))
+        return await app(scope, receive, send)
+
+    application.has_ingest_fast_path = True  # type: ignore[attr-defined]
+    return application
+
+
+def _default():
+    from controlplane.asgi import application as django_app
+
+    return with_ingest(django_app)
+
+
+application = _default()

@@ -1,0 +1,232 @@
+"""Ingest benchmark in the production shape (``make bench-ingest``).
+
+Starts everything it measures and stops it again:
+
+- PostgreSQL via ``DATABASE_URL`` (default ``postgres://postgres@127.0.0.1:5432/unbroken_bench``, created
+  and migrated if missing) and Redis via ``REDIS_URL`` (default ``redis://127.0.0.1:6379/9``, a database
+  of its own: the bench's Celery queues and heartbeat keys must not meet a dev server's);
+- the production ASGI server: ``uvicorn controlplane.ingest.asgi:application --workers 2`` (uvloop, httptools,
+  no access log), ``UNBROKEN_DEBUG=false``;
+- a Celery worker with beat (the settings' schedule: the watchdog every ``WATCHDOG_INTERVAL_S``, which also
+  schedules the heartbeat flush);
+- the load generator (tests/bench/loadgen.py) in this process: one job of 65,536 ranks, each beating
+  once a second, batches of 512 over 32 keep-alive connections on loopback. One rank goes silent part-way;
+  ``detect_s`` is how long after its deadline (last beat + ``step_timeout_s``) its ``heartbeat_lost``
+  fault row was written.
+
+Several runs (``--runs``, default 3); each run's figures are printed, and the last line holds the medians::
+
+    rank_heartbeats_per_s=<N> p50_ms=<X> p99_ms=<Y> detect_s=<Z>
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import secrets
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from datetime import UTC, datetime
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import loadgen  # noqa: E402
+
+PY = sys.executable
+DEFAULT_DB = "postgres://postgres@127.0.0.1:5432/unbroken_bench"
+DEFAULT_REDIS = "redis://127.0.0.1:6379/9"
+# The production app: Django with the ingest fast path in front (controlplane/ingest/asgi.py).
+ASGI_APP = "controlplane.ingest.asgi:application"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def ensure_database(url: str) -> None:
+    import psycopg
+    from urllib.parse import urlparse
+
+    u = urlparse(url)
+    name = u.path.lstrip("/")
+    admin = url.replace(f"/{name}", "/postgres", 1) if name else url
+    with psycopg.connect(admin, autocommit=True) as conn:
+        if not conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", [name]).fetchone():
+            conn.execute(f'CREATE DATABASE "{name}"')
+
+
+def wait_http(url: str, timeout_s: float = 30.0) -> None:
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        try:
+            with urllib.request.urlopen(url, timeout=1) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.2)
+    raise SystemExit(f"the server did not answer {url} within {timeout_s:.0f} s")
+
+
+def stop(proc: subprocess.Popen, timeout_s: float = 10.0) -> None:
+    """Stop a process group this script started (by its own pid)."""
+    if proc.poll() is not None:
+        return
+    try:
+        proc.terminate()  # the server or worker stops its own children
+        proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    except ProcessLookupError:
+        pass
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    import psutil
+
+    total = 0.0
+    for pid in pids:
+        try:
+            p = psutil.Process(pid)
+            for q in [p, *p.children(recursive=True)]:
+                t = q.cpu_times()
+                total += t.user + t.system
+        except psutil.NoSuchProcess:
+            pass
+    return total
+
+
+def one_run(args: argparse.Namespace, env: dict[str, str], run_no: int, tmp: Path) -> dict:
+    from controlplane.jobs.models import Fault, Job, Rank
+
+    spec = {"procs_per_node": args.ranks, "heartbeat_interval_s": 1.0, "step_timeout_s": args.step_timeout_s,
+            "checkpoint_timeout_s": 300.0, "stall_timeout_s": 600.0, "storm_restarts": 5}
+    from controlplane.jobs.spec import JobSpec
+
+    job = Job(name=f"bench-ingest-{run_no}", spec=JobSpec(**spec).to_dict(), status="running")
+    token = job.issue_token()
+    job.save()
+    port = free_port()
+    server = subprocess.Popen(
+        [PY, "-m", "uvicorn", ASGI_APP, "--host", "127.0.0.1", "--port", str(port),
+         "--workers", str(args.workers), "--loop", "uvloop", "--http", "httptools", "--no-access-log",
+         "--log-level", "warning", "--backlog", "2048"],
+        cwd=ROOT, env=env, start_new_session=True)
+    worker = subprocess.Popen(
+        [PY, "-m", "celery", "-A", "controlplane", "worker", "-B", "-Q", "default,launch", "-c",
+         str(args.celery_concurrency), "--loglevel", "WARNING", "-s", str(tmp / f"beat-{run_no}"),
+         "--without-gossip", "--without-mingle", "--without-heartbeat"],
+        cwd=ROOT, env=env, start_new_session=True)
+    try:
+        wait_http(f"http://127.0.0.1:{port}/api/v1/openapi.json")
+        silent = args.ranks // 2 + 7
+        cpu0 = {"server": cpu_seconds([server.pid]), "celery": cpu_seconds([worker.pid]),
+                "loadgen": cpu_seconds([os.getpid()])}
+        res = asyncio.run(loadgen.run(f"http://127.0.0.1:{port}", job.pk, token, ranks=args.ranks,
+                                      batch_size=args.batch_size, interval_s=1.0, duration_s=args.duration_s,
+                                      connections=args.connections, silent_rank=silent,
+                                      silent_after_s=args.silent_after_s, warmup_s=args.warmup_s))
+        cpu = {"server": cpu_seconds([server.pid]) - cpu0["server"],
+               "celery": cpu_seconds([worker.pid]) - cpu0["celery"],
+               "loadgen": cpu_seconds([os.getpid()]) - cpu0["loadgen"]}
+        # Detection: the silent rank's fault row (the watchdog keeps running after the load).
+        deadline = (res.silent_last_at or 0) + args.step_timeout_s
+        fault = None
+        wait_until = time.time() + max(5.0, deadline - time.time() + 5.0)
+        while time.time() < wait_until and fault is None:
+            fault = Fault.objects.filter(job=job, rank=silent, fault_class="heartbeat_lost").first()
+            if fault is None:
+                time.sleep(0.05)
+        detect_s = (fault.detected_at.timestamp() - deadline) if fault else float("nan")
+        false_lost = Fault.objects.filter(job=job, fault_class="heartbeat_lost").exclude(rank=silent).count()
+        # Flush lag: how long after the load stopped the Rank rows hold every rank's last beat.
+        t_end = time.time()
+        flushed_at = None
+        while time.time() < t_end + 15:
+            n = Rank.objects.filter(job=job, last_heartbeat_at__gte=datetime.fromtimestamp(
+                res.finished - 1.5, tz=UTC)).count()
+            if n >= args.ranks - 1:
+                flushed_at = time.time()
+                break
+            time.sleep(0.1)
+        rows = Rank.objects.filter(job=job).count()
+        out = {
+            "rank_heartbeats_per_s": res.heartbeats_ok / res.duration_s,
+            "p50_ms": res.pct(0.5) * 1e3, "p99_ms": res.pct(0.99) * 1e3, "detect_s": detect_s,
+            "requests": res.sent, "ok": res.ok, "errors": res.errors, "max_sender_lag_s": res.max_lag_s,
+            "false_lost": false_lost, "rank_rows": rows,
+            "flush_lag_s": (flushed_at - t_end) if flushed_at else float("nan"),
+            "cpu_pct": {k: round(100 * v / res.duration_s) for k, v in cpu.items()},
+        }
+        Job.objects.filter(pk=job.pk).update(status="stopped")
+        return out
+    finally:
+        stop(server)
+        stop(worker)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description="Ingest benchmark in the production shape")
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--ranks", type=int, default=65536)
+    p.add_argument("--batch-size", type=int, default=512)
+    p.add_argument("--connections", type=int, default=32)
+    p.add_argument("--duration-s", type=float, default=20.0)
+    p.add_argument("--warmup-s", type=float, default=3.0)
+    p.add_argument("--silent-after-s", type=float, default=6.0)
+    p.add_argument("--step-timeout-s", type=float, default=3.0)
+    p.add_argument("--workers", type=int, default=2, help="uvicorn worker processes")
+    p.add_argument("--celery-concurrency", type=int, default=2)
+    args = p.parse_args()
+
+    db_url = os.environ.get("DATABASE_URL") or DEFAULT_DB
+    redis_url = os.environ.get("REDIS_URL") or DEFAULT_REDIS
+    tmp = Path(tempfile.mkdtemp(prefix="bench-ingest-"))
+    env = {**os.environ, "DATABASE_URL": db_url, "REDIS_URL": redis_url, "UNBROKEN_DEBUG": "false",
+           "UNBROKEN_SECRET_KEY": secrets.token_urlsafe(50), "UNBROKEN_DATA_DIR": str(tmp),
+           "UNBROKEN_LOG_LEVEL": "WARNING", "PYTHONPATH": str(ROOT), "DJANGO_SETTINGS_MODULE": "controlplane.settings"}
+    os.environ.update(env)
+    ensure_database(db_url)
+    subprocess.run([PY, "manage.py", "migrate", "--noinput", "-v", "0"], cwd=ROOT, env=env, check=True)
+
+    import django
+
+    django.setup()
+    import redis
+
+    r = redis.Redis.from_url(redis_url)
+    if redis_url == DEFAULT_REDIS:
+        r.flushdb()  # the bench's own database
+    else:
+        for key in r.scan_iter("ubk:hb:*", count=1000):
+            r.delete(key)
+
+    from controlplane.jobs.models import Job
+
+    # Earlier (interrupted) runs must not keep the watchdog busy.
+    Job.objects.filter(name__startswith="bench-ingest-").exclude(status="stopped").update(status="stopped")
+    runs = []
+    for i in range(args.runs):
+        out = one_run(args, env, i, tmp)
+        runs.append(out)
+        print(f"run {i + 1}/{args.runs}: " + " ".join(
+            f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in out.items()), flush=True)
+    med = {k: statistics.median(r[k] for r in runs) for k in ("rank_heartbeats_per_s", "p50_ms", "p99_ms", "detect_s")}
+    print(f"rank_heartbeats_per_s={med['rank_heartbeats_per_s']:.0f} p50_ms={med['p50_ms']:.1f} "
+          f"p99_ms={med['p99_ms']:.1f} detect_s={med['detect_s']:.2f}")
+
+
+if __name__ == "__main__":
+    main()
