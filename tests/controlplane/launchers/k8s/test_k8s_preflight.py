@@ -103,3 +103,29 @@ def test_it_says_when_jobset_is_not_installed(cluster, launcher):
     (problem,) = launcher.preflight(make_job(kubernetes={"use_jobset": True}))
     assert "JobSet" in problem and "use_jobset off" in problem
     assert launcher.preflight(make_job()) == []
+
+
+def test_it_reads_the_cluster_from_a_kubeconfig_file(cluster, tmp_path):
+    cluster.ready()
+    kubeconfig = tmp_path / "config"
+    kubeconfig.write_text(f"""
+apiVersion: v1
+kind: Config
+clusters: [{{name: fake, cluster: {{server: "{cluster.srv.url}"}}}}]
+users: [{{name: test, user: {{token: not-checked}}}}]
+contexts: [{{name: fake, context: {{cluster: fake, user: test}}}}]
+current-context: fake
+""")
+    launcher = KubernetesLauncher(kubeconfig=str(kubeconfig))
+    assert launcher.preflight(make_job()) == []
+    launcher.launch(make_job(), token="t")
+    assert cluster.get("jobs", "unbroken-7") is not None
+
+
+def test_it_builds_the_launcher_from_settings(settings):
+    settings.KUBECONFIG = "/nowhere/kubeconfig"
+    settings.UNBROKEN_K8S_INGEST_URL = "http://unbroken-web.unbroken.svc.cluster.local:8000"
+    from controlplane.launchers.base import get_launcher
+    launcher = get_launcher("kubernetes")
+    assert (launcher.kubeconfig, launcher.ingest_url) == ("/nowhere/kubeconfig", settings.UNBROKEN_K8S_INGEST_URL)
+    assert "no usable Kubernetes configuration" in launcher.preflight(make_job())[0]
