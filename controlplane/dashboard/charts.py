@@ -204,13 +204,10 @@ def timeline_figure(*, lanes: list[dict], spans: list[Span], faults: list[dict],
                 open_points.append([len(traces), k])
         traces.append({
             "type": "bar", "orientation": "h", "name": phase, "legendgroup": "phase",
-            "legendgrouptitle": {"text": "Phase"} if not traces else None,
             "y": y, "base": base, "x": length, "width": width,
             "marker": {"color": PHASE_COLORS[phase], "line": {"width": 0}},
             "customdata": text, "hovertemplate": "%{customdata}<extra></extra>",
         })
-        if traces[-1]["legendgrouptitle"] is None:
-            del traces[-1]["legendgrouptitle"]
 
     shapes: list[dict] = []
     by_layer: dict[str, list[dict]] = defaultdict(list)
@@ -290,20 +287,20 @@ def timeline_figure(*, lanes: list[dict], spans: list[Span], faults: list[dict],
     ticktext = ["job"] + [f"r{ln['rank']} · {ln['node'] or '?'}" for ln in lanes]
     layout = {
         **BASE_LAYOUT,
-        "height": min(1100, 170 + 18 * (n + 1)),
+        "height": min(1150, 210 + 18 * (n + 1)),
         "barmode": "overlay",
         "bargap": 0,
         "dragmode": "zoom",
         "uirevision": "timeline",
         "showlegend": True,
-        "legend": {"orientation": "h", "y": -0.12, "yanchor": "top", "font": {"size": 11}},
+        "legend": {"orientation": "h", "x": 0, "y": 1.0, "yanchor": "bottom", "font": {"size": 11}},
         "xaxis": {"type": "date", "range": [ms(t0), ms(t1)], "title": {"text": "time (UTC)"},
                   "showgrid": True, "gridcolor": "#eee"},
         "yaxis": {"tickvals": list(range(n + 1)), "ticktext": ticktext, "autorange": "reversed",
                   "fixedrange": True, "tickfont": {"size": 10 if n > 16 else 11},
                   "range": [n + 0.6, -0.6]},
         "shapes": shapes,
-        "margin": {"l": 130, "r": 20, "t": 20, "b": 40},
+        "margin": {"l": 130, "r": 20, "t": 60, "b": 40},
     }
     return {"figure": {"data": traces, "layout": layout}, "open": open_points, "now_ms": ms(now)}
 

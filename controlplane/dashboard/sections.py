@@ -197,6 +197,7 @@ def timeline_part(job: Job, now: datetime, *, start: float | None = None, end: f
     fig = charts.timeline_figure(lanes=lanes, spans=spans, faults=faults, cycles=cycles, commands=commands,
                                  t0=t0, t1=t1, now=now.timestamp())
     fig["follow"] = bool(follow and is_open)
+    fig["start_ms"] = charts.ms(job_start)
     fig["active"] = is_open
     return fig
 
@@ -274,10 +275,10 @@ def goodput_part(job: Job, now: datetime) -> dict:
         {"type": "bar", "orientation": "h", "name": p["label"], "y": ["wall time"], "x": [round(100 * p["share"], 3)],
          "marker": {"color": p["color"]}, "hovertemplate": f"{p['label']}: %{{x:.1f}}% ({p['seconds']})<extra></extra>"}
         for p in parts], "layout": {
-            **charts.BASE_LAYOUT, "barmode": "stack", "height": 150, "uirevision": "goodput",
+            **charts.BASE_LAYOUT, "barmode": "stack", "height": 90, "uirevision": "goodput", "showlegend": False,
             "xaxis": {"range": [0, 100], "title": {"text": "% of wall time"}, "fixedrange": True},
             "yaxis": {"fixedrange": True, "showticklabels": False},
-            "legend": {"orientation": "h", "y": -0.6}, "margin": {"l": 10, "r": 10, "t": 5, "b": 40}}}}
+            "margin": {"l": 10, "r": 10, "t": 5, "b": 40}}}}
     return {"g": g, "parts": parts, "wall": charts.fmt_s(g["wall_s"]), "goodput_pct": round(100 * g["goodput"], 1),
             "chart": fig}
 

@@ -13,7 +13,8 @@
   const cfg = JSON.parse(cfgEl.textContent);
   let cursor = cfg.cursor;
   const followBox = document.getElementById("follow-live");
-  const state = { follow: followBox ? followBox.checked : false, window: null, suppress: 0, timeline: null };
+  const state = { follow: followBox ? followBox.checked : false, window: null, suppress: 0, timeline: null,
+                  followSpan: 600000 };
   let faultParams = new URLSearchParams(window.location.search);
 
   const PLOT_CONFIG = { responsive: true, displaylogo: false, modeBarButtonsToRemove: ["select2d", "lasso2d"] };
@@ -64,6 +65,7 @@
     state.window = [t0, t1];
     // A window that still reaches the present keeps following; one in the past stops.
     if (t1 < U.serverNow() - 3000) setFollow(false);
+    else state.followSpan = Math.max(10000, t1 - t0);
     clearTimeout(zoomTimer);
     zoomTimer = setTimeout(function () { refreshPart("timeline"); }, 250);
   }
@@ -79,29 +81,24 @@
     if (followBox) followBox.checked = on;
   }
 
-  // While following: extend the open bars to now and keep the newest minutes in view.
+  // While following: extend the open bars to now and keep the newest minutes in view. The figure
+  // is re-drawn with Plotly.react (a restyle of bar lengths would re-type the date axis as linear).
   function followTick() {
     const t = state.timeline;
     if (!t || !state.follow || !t.data.active) return;
     const now = U.serverNow();
-    const traces = t.div.data;
-    if (!traces) return;
-    const touched = {};
+    const fig = t.data.figure;
     (t.data.open || []).forEach(function (p) {
-      const tr = traces[p[0]];
+      const tr = fig.data[p[0]];
       if (!tr || !tr.base) return;
-      const x = touched[p[0]] || tr.x.slice();
-      x[p[1]] = Math.max(1, now - tr.base[p[1]]);
-      touched[p[0]] = x;
+      tr.x = tr.x.slice();
+      tr.x[p[1]] = Math.max(1, now - tr.base[p[1]]);
     });
-    const idx = Object.keys(touched).map(Number);
-    const span = state.window ? state.window[1] - state.window[0] : 600000;
+    state.window = [Math.max(t.data.start_ms - 2000, now - state.followSpan), now + 2000];
+    fig.layout.xaxis.range = state.window.slice();
+    fig.layout.datarevision = now;
     state.suppress += 1;
-    const p = idx.length ? Plotly.restyle(t.div, { x: idx.map(function (i) { return touched[i]; }) }, idx) : Promise.resolve();
-    Promise.resolve(p)
-      .then(function () { return Plotly.relayout(t.div, { "xaxis.range": [now - span + 2000, now + 2000] }); })
-      .finally(function () { state.suppress -= 1; });
-    state.window = [now - span + 2000, now + 2000];
+    Promise.resolve(Plotly.react(t.div, fig.data, fig.layout)).finally(function () { state.suppress -= 1; });
   }
   setInterval(followTick, 1000);
 
@@ -109,9 +106,8 @@
     followBox.addEventListener("change", function () {
       setFollow(followBox.checked);
       if (state.follow) {
-        const span = state.window ? state.window[1] - state.window[0] : 600000;
         const now = U.serverNow();
-        state.window = [now - span, now];
+        state.window = [now - state.followSpan, now];
         refreshPart("timeline");
       }
     });
