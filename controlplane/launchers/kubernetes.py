@@ -10,7 +10,6 @@ and a cap); everything else raises ``LaunchError`` with a message for the user.
 
 from __future__ import annotations
 
-import base64
 import json
 import logging
 import signal
@@ -591,7 +590,3 @@ def summarize(workload: dict, pods: list[dict], events: list[dict], *, nodes: in
         return PollResult(state="pending", reason=f"{first}; {event_text}" if event_text else first, faults=faults)
     return PollResult(state="running", faults=faults)
 
-
-def secret_token(secret: dict) -> str:
-    """The token stored in a Secret manifest or API answer (tests and the e2e script read it back)."""
-    return base64.b64decode(secret.get("data", {}).get(manifests.TOKEN_KEY, "")).decode()

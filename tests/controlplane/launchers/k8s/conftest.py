@@ -17,6 +17,15 @@ from kfake import KFakeThread  # noqa: E402
 from controlplane.launchers.kubernetes import KubernetesLauncher  # noqa: E402
 
 
+def pytest_collection_modifyitems(items):
+    # kmock 0.8 loads its bundled resource list with a deprecated importlib.resources call.
+    mark = pytest.mark.filterwarnings("ignore:read_binary is deprecated:DeprecationWarning")
+    here = os.path.dirname(__file__)
+    for item in items:
+        if str(item.path).startswith(here):
+            item.add_marker(mark)
+
+
 @pytest.fixture()
 def cluster():
     srv = KFakeThread().start()

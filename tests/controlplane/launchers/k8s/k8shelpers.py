@@ -13,7 +13,7 @@ from kubernetes import client
 from kfake import KFakeThread  # noqa: F401  (type of Cluster.srv)
 
 from controlplane.jobs.models import Job
-from controlplane.jobs.spec import JobSpec, KubernetesSpec
+from controlplane.jobs.spec import JobSpec
 from controlplane.launchers import manifests
 
 NS = "train"
