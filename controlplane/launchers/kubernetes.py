@@ -549,13 +549,19 @@ def summarize(workload: dict, pods: list[dict], events: list[dict], *, nodes: in
     """The attempt's state from its workload, pods and warning events (pure)."""
     uid = workload.get("metadata", {}).get("uid", "")
     states, faults, reasons = [], [], []
+    deleted: list[LaunchFault] = []  # faults of pods being deleted: maybe causes, maybe consequences
     for pod in pods:
         state, fault, reason = classify_pod(pod, procs_per_node=procs_per_node)
         states.append(state)
         if fault is not None:
-            faults.append(fault)
+            (deleted if pod.get("metadata", {}).get("deletionTimestamp") else faults).append(fault)
         if reason and state in ("failed", "pending"):
             reasons.append((state, reason))
+    # When one pod fails, the Job controller deletes the others (SIGTERM, exit 143): those are
+    # consequences, not faults. Without any other fault, the first deleted pod is the cause (a drain).
+    if deleted and not faults:
+        faults.append(min(deleted, key=lambda f: f.at or float("inf")))
+    reasons.sort(key=lambda r: not any(f.message == r[1] for f in faults))
     done = _condition(workload, "Complete") or _condition(workload, "Completed")
     if done or (len(pods) == nodes and pods and all(s == "succeeded" for s in states)):
         return PollResult(state="succeeded", reason="training finished", faults=faults)

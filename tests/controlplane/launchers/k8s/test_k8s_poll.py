@@ -190,3 +190,17 @@ def test_it_polls_a_jobset_by_its_pods(cluster, launcher):
     assert launcher.poll(job).state == "running"
     cluster.terminate("unbroken-7-node-0-1-x", exit_code=137, reason="OOMKilled")
     assert [f.fault_class for f in launcher.poll(job).faults] == [FaultClass.OOM_KILLED]
+
+
+def test_it_reports_only_the_cause_not_the_pods_the_job_controller_then_deleted(cluster, launcher, pods):
+    cluster.run(pods[0], "ip-10-0-0-0")
+    cluster.run(pods[1], "ip-10-0-0-1")
+    cluster.terminate(pods[1], exit_code=137, reason="OOMKilled")
+    cluster.fail_job()
+    cluster.emu.hold_deletions = True  # the Job controller deletes node 0's pod; it exits 143
+    cluster.core.delete_namespaced_pod(pods[0], NS)
+    cluster.terminate(pods[0], exit_code=143)
+    result = launcher.poll(make_job())
+    assert result.state == "failed"
+    assert [f.fault_class for f in result.faults] == [FaultClass.OOM_KILLED]
+    assert "OOMKilled" in result.reason
