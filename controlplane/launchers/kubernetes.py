@@ -81,8 +81,9 @@ class KubernetesLauncher:
         return self._api
 
     def _call(self, what: str, fn: Callable[..., Any], *args: Any, allow: tuple[int, ...] = (),
-              timeout: tuple[float, float] = REQUEST_TIMEOUT, **kwargs: Any) -> Any:
-        """Call the API; return the JSON answer (or text), or None when the status is in ``allow``."""
+              timeout: tuple[float, float] = REQUEST_TIMEOUT, text: bool = False, **kwargs: Any) -> Any:
+        """Call the API; return the JSON answer (``text``: the body as text), or None when the status is
+        in ``allow``."""
         try:
             resp = fn(*args, _preload_content=False, _request_timeout=timeout, **kwargs)
         except ApiException as e:
@@ -95,6 +96,8 @@ class KubernetesLauncher:
             raise LaunchError(f"{what}: the manifest is not valid Kubernetes ({e}); check the kubernetes "
                               "settings of the job (tolerations, node_selector)") from None
         data = resp.data
+        if text:
+            return data.decode("utf-8", "replace")
         try:
             return json.loads(data) if data else {}
         except ValueError:
@@ -285,10 +288,9 @@ class KubernetesLauncher:
         pod = next((p for p in pods if p.get("status", {}).get("phase") == "Failed"), pods[0])
         name = pod["metadata"]["name"]
         text = self._call("read the pod's log", client.CoreV1Api(self.api).read_namespaced_pod_log, name,
-                          names.namespace, container=manifests.CONTAINER, tail_lines=2000, allow=(400, 404))
+                          names.namespace, container=manifests.CONTAINER, tail_lines=2000, allow=(400, 404), text=True)
         if not text:
             return ""
-        text = text if isinstance(text, str) else json.dumps(text)
         data = text.encode()
         if len(data) > max_bytes:
             text = data[-max_bytes:].decode("utf-8", "ignore").split("\n", 1)[-1]

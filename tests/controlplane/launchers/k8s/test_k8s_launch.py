@@ -183,10 +183,17 @@ def test_it_waits_for_terminating_pods_then_gives_up_with_a_transient_error(clus
 def test_it_tails_the_log_of_the_failed_pod(cluster, launcher):
     launcher.launch(make_job(), token="t")
     p0, p1 = cluster.start_pods()
-    cluster.emu.logs[(NS, p0)] = "rank 0 fine\n"
+    cluster.emu.logs[(NS, p0)] = "{\"json\": \"log line\"}\n"
     cluster.emu.logs[(NS, p1)] = "".join(f"line {i}\n" for i in range(100)) + "RuntimeError: boom\n"
     cluster.run(p0)
     cluster.terminate(p1, exit_code=1)
     tail = launcher.log_tail(make_job(), max_bytes=40)
     assert tail.endswith("RuntimeError: boom\n") and len(tail.encode()) <= 40
     assert launcher.log_tail(make_job(pk=8)) == ""
+
+
+def test_it_returns_a_log_as_text_even_when_it_looks_like_json(cluster, launcher):
+    launcher.launch(make_job(), token="t")
+    p0, _ = cluster.start_pods()
+    cluster.emu.logs[(NS, p0)] = '{"step": 1}\n'
+    assert launcher.log_tail(make_job()) == '{"step": 1}\n'
