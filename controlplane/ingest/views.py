@@ -135,6 +135,9 @@ def handle(job_id: int, authorization: str, content_length: str | None, body: by
             ingestion.check_batch(batch)
         except WireError as e:
             return _err(422, e.message, e.field)
+        except TypeError:  # an unhashable value where wire.py looks up a vocabulary word (a list as phase)
+            return _err(422, "a field that takes a word from the vocabulary holds a list or object; "
+                             "see /api/v1/openapi.json")
 
     now = utc(now_ts)
     for attempt in range(_DB_TRIES):
@@ -169,8 +172,13 @@ def ingest(request: HttpRequest, job_id: int) -> HttpResponse:
     if request.method != "POST":
         return error(405, "use POST with a JSON batch (see /api/v1/openapi.json)", headers={"Allow": "POST"})
     limit = settings.INGEST_MAX_BODY_BYTES
-    # Read at most one byte over the limit (request.body would apply DATA_UPLOAD_MAX_MEMORY_SIZE instead).
-    body = request.read(limit + 1)
+    # Read at most one byte over the limit (request.body would apply DATA_UPLOAD_MAX_MEMORY_SIZE instead);
+    # a declared length over the limit is refused by ``handle`` without reading.
+    try:
+        declared = int(request.META.get("CONTENT_LENGTH") or 0)
+    except ValueError:
+        declared = 0
+    body = b"" if declared > limit else request.read(declared or limit + 1)
     status, payload, headers = handle(job_id, request.META.get("HTTP_AUTHORIZATION", ""),
                                       request.META.get("CONTENT_LENGTH"), body)
     return _json(payload, status, headers)

@@ -180,7 +180,8 @@ def upsert_ranks(job_id: int, states: Iterable[RankState], timeouts: Timeouts, *
     return len(rows)
 
 
-def update_job_progress(job_id: int, states: Iterable[RankState]) -> None:
+def update_job_progress(job_id: int, states: Iterable[RankState], *, top: tuple[int, float] | None = None,
+                        first_train: float | None = None) -> None:
     """Fold ranks' newest states into the job's progress facts with one conditional UPDATE.
 
     ``max_step`` only grows and ``last_progress_at`` is when it last grew; ``last_step`` follows the
@@ -194,14 +195,18 @@ def update_job_progress(job_id: int, states: Iterable[RankState]) -> None:
     states = list(states)
     if not states:
         return
-    top = max(states, key=lambda s: (s.step, -s.at))
+    if top is None:
+        best = max(states, key=lambda s: (s.step, -s.at))
+        top = (best.step, best.at)
     newest = max(states, key=lambda s: s.at)
     train = [s.at for s in states if s.phase == _TRAIN]
-    top_at, newest_at = utc(top.at), utc(newest.at)
+    if first_train is not None:
+        train.append(first_train)
+    top_step, top_at, newest_at = top[0], utc(top[1]), utc(newest.at)
     last_step = max(s.step for s in states if s.at >= newest.at - 5.0)
     fields = {
-        "max_step": Case(When(max_step__lt=top.step, then=Value(top.step)), default=F("max_step")),
-        "last_progress_at": Case(When(max_step__lt=top.step, then=Value(top_at)), default=F("last_progress_at")),
+        "max_step": Case(When(max_step__lt=top_step, then=Value(top_step)), default=F("max_step")),
+        "last_progress_at": Case(When(max_step__lt=top_step, then=Value(top_at)), default=F("last_progress_at")),
         "last_step": Case(When(Q(last_progress_at__isnull=True) | Q(last_progress_at__lte=newest_at),
                                then=Value(last_step)), default=F("last_step")),
     }
@@ -257,16 +262,28 @@ class DbHeartbeatStore:
         pass
 
 
-# KEYS: 1 the job's at-by-rank hash, 2 its state-by-rank hash, 3 deadline zset, 4 dirty set
-# ARGV: 1 job id, then 4 per beat: rank, at, deadline ("" = none), state JSON. Flat arguments: cheaper
-# for Redis than decoding one JSON argument (cjson is slow on escaped strings).
+# KEYS: 1 the job's at-by-rank hash, 2 its state-by-rank hash, 3 deadline zset, 4 dirty set, 5 the job's
+# progress hash (max_step, progress_at, first_train_at: every beat counts, not only the newest per rank)
+# ARGV: 1 job id, 2 the batch's top step, 3 when it was reached, 4 its earliest train beat ("" = none),
+# then 4 per beat: rank, at, deadline ("" = none), state JSON. Flat arguments: cheaper for Redis than
+# decoding one JSON argument (cjson is slow on escaped strings).
 # A beat is taken only if its ``at`` is later than the stored one (and than an earlier beat of the
 # same rank in this batch): heartbeat state only moves forward in time.
 _RECORD_LUA = """
 local job = ARGV[1]
-local n = (#ARGV - 1) / 4
+local n = (#ARGV - 4) / 4
 local fields = {}
-for i = 0, n - 1 do fields[i + 1] = ARGV[2 + i * 4] end
+for i = 0, n - 1 do fields[i + 1] = ARGV[5 + i * 4] end
+if ARGV[2] ~= '' then
+  local cur = redis.call('HGET', KEYS[5], 'max_step')
+  if not cur or tonumber(ARGV[2]) > tonumber(cur) then
+    redis.call('HSET', KEYS[5], 'max_step', ARGV[2], 'progress_at', ARGV[3])
+  end
+end
+if ARGV[4] ~= '' then
+  local f = redis.call('HGET', KEYS[5], 'first_train_at')
+  if not f or tonumber(ARGV[4]) < tonumber(f) then redis.call('HSET', KEYS[5], 'first_train_at', ARGV[4]) end
+end
 local best = {}
 for i = 1, n, 4000 do
   local part = redis.call('HMGET', KEYS[1], unpack(fields, i, math.min(i + 3999, n)))
@@ -276,7 +293,7 @@ for i = 1, n, 4000 do
 end
 local ats, states, zadd, zrem, dirty = {}, {}, {}, {}, {}
 for i = 0, n - 1 do
-  local b = 2 + i * 4
+  local b = 5 + i * 4
   local rank, at = ARGV[b], tonumber(ARGV[b + 1])
   local prev = best[rank]
   if prev == nil or at > prev then
@@ -349,20 +366,38 @@ class RedisHeartbeatStore:
         """The job's two hashes: rank -> at, rank -> state (the beat as JSON)."""
         return f"{self.prefix}:job:{job_id}:at", f"{self.prefix}:job:{job_id}:state"
 
+    def progress_key(self, job_id: int) -> str:
+        return f"{self.prefix}:job:{job_id}:progress"
+
+    def progress(self, job_id: int) -> tuple[tuple[int, float] | None, float | None]:
+        """((max step, when reached), earliest train beat) over every beat Redis took for the job."""
+        raw = self.redis.hgetall(self.progress_key(job_id))
+        top = (int(raw[b"max_step"]), float(raw[b"progress_at"])) if b"max_step" in raw else None
+        first = float(raw[b"first_train_at"]) if b"first_train_at" in raw else None
+        return top, first
+
     def record(self, job_id: int, beats: list[dict], timeouts: Timeouts, *, now: datetime) -> None:
         """One Lua call: the script keeps only beats newer than the stored ones (atomically)."""
         step_s, ckpt_s = timeouts.step_s, timeouts.checkpoint_s
-        args: list = [job_id]
+        args: list = [job_id, "", "", ""]
         dumps = orjson.dumps
+        top_step, top_at, first_train = -1, 0.0, None
         for b in beats:
-            phase, at = b["phase"], b["at"]
+            phase, at, step = b["phase"], b["at"], b["step"]
             deadline = "" if phase == _STOPPED else repr(at + (ckpt_s if phase in _SLOW_PHASES else step_s))
             args += (b["rank"], repr(at), deadline, dumps(b))
+            if step > top_step or (step == top_step and at < top_at):
+                top_step, top_at = step, at
+            if phase == _TRAIN and (first_train is None or at < first_train):
+                first_train = at
+        if top_step >= 0:
+            args[1:4] = [top_step, repr(top_at), "" if first_train is None else repr(first_train)]
         ats, states = self.keys(job_id)
+        progress = self.progress_key(job_id)
         pipe = self.redis.pipeline(transaction=False)
-        self._record(keys=[ats, states, self.DEADLINES, self.DIRTY], args=args, client=pipe)
-        pipe.expire(ats, self.STATE_TTL_S)
-        pipe.expire(states, self.STATE_TTL_S)
+        self._record(keys=[ats, states, self.DEADLINES, self.DIRTY, progress], args=args, client=pipe)
+        for key in (ats, states, progress):
+            pipe.expire(key, self.STATE_TTL_S)
         pipe.execute()
 
     def flush(self, *, now: datetime | None = None) -> int:
@@ -394,9 +429,10 @@ class RedisHeartbeatStore:
                     self.drop_job(job_id)
                     continue
                 states = self.freshest(job_id, ranks)
+                top, first_train = self.progress(job_id)
                 with transaction.atomic():
                     n += upsert_ranks(job_id, states.values(), Timeouts.of(specs[job_id]), now=now)
-                    update_job_progress(job_id, states.values())
+                    update_job_progress(job_id, states.values(), top=top, first_train=first_train)
             self.redis.delete(self.FLUSHING)
             return n
         finally:
@@ -437,7 +473,7 @@ class RedisHeartbeatStore:
         ranks = [int(r) for r in self.redis.hkeys(ats)]
         for i in range(0, len(ranks), 5000):
             self.redis.zrem(self.DEADLINES, *[f"{job_id}:{r}" for r in ranks[i:i + 5000]])
-        self.redis.delete(ats, states)
+        self.redis.delete(ats, states, self.progress_key(job_id))
 
 
 _store: HeartbeatStore | None = None

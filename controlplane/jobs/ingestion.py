@@ -154,9 +154,9 @@ def parse_heartbeats_fast(obj: Any, *, now: float, world_size: int) -> list[dict
     for h in hbs:
         if type(h) is not dict or not keys.issuperset(h):
             return None
-        rank, step, at = h.get("rank"), h.get("step"), h.get("at")
+        rank, step, at, phase = h.get("rank"), h.get("step"), h.get("at"), h.get("phase")
         if (type(rank) is not int or not 0 <= rank < world_size or type(step) is not int or step < 0
-                or type(at) not in number or at > latest or h.get("phase") not in phases
+                or type(at) not in number or at > latest or type(phase) is not str or phase not in phases
                 or type(h.get("loss")) not in opt or type(h.get("step_time_s")) not in opt
                 or type(h.get("tokens_per_s")) not in opt):
             return None

@@ -1,0 +1,188 @@
+"""Facts derived from batches: controlplane.jobs.ingestion (no HTTP)."""
+
+import copy
+import random
+import time
+
+import pytest
+from django.utils import timezone
+
+from controlplane.jobs import ingestion
+from controlplane.jobs.models import Checkpoint, Fault, Job, Notification, Rank, RestartCycle
+from tests.controlplane.conftest import batch, ev, hb, make_job
+from trainer.wire import WireError, parse_batch
+
+pytestmark = pytest.mark.django_db
+
+
+def record(job, heartbeats=None, events=None):
+    b = parse_batch(batch(heartbeats, events), now=time.time(), world_size=job.world_size)
+    ingestion.check_batch(b)
+    return ingestion.record_batch(job, b, now=timezone.now())
+
+
+def cycle_ev(eid, key, mark, at, **data):
+    return ev(eid, "cycle", {"cycle": key, "mark": mark, "layer": data.pop("layer", "in_process"), **data}, at=at)
+
+
+def test_it_opens_a_cycle_and_recovers_with_a_notification():
+    job, _ = make_job(notify_webhook_url="http://127.0.0.1:9/hook")
+    t = time.time() - 30
+    record(job, events=[cycle_ev("c1", "a0-ij0-ip1", "fault_at", t, step=40),
+                        cycle_ev("c2", "a0-ij0-ip1", "detected_at", t + 1)])
+    job.refresh_from_db()
+    assert job.status == "recovering"
+    record(job, events=[cycle_ev("c3", "a0-ij0-ip1", "checkpoint_loaded_at", t + 3, step=20),
+                        cycle_ev("c4", "a0-ij0-ip1", "first_step_at", t + 5, step=21)])
+    job.refresh_from_db()
+    assert job.status == "running"
+    c = RestartCycle.objects.get(job=job)
+    assert (c.layer, c.step_at_fault, c.resumed_from_step, c.lost_steps) == ("in_process", 40, 20, 20)
+    assert c.recovery_s == pytest.approx(5, abs=1e-3)
+    n = Notification.objects.get(job=job)
+    assert n.transition == "recovered" and "recovered in 5.0 s" in n.payload["text"]
+
+
+def test_it_does_not_reopen_recovery_for_a_late_event_of_a_closed_cycle():
+    job, _ = make_job()
+    t = time.time() - 60
+    record(job, events=[cycle_ev("a", "a0-ij1", "fault_at", t), cycle_ev("b", "a0-ij1", "first_step_at", t + 9)])
+    assert Job.objects.get(pk=job.pk).status == "running"
+    record(job, events=[cycle_ev("c", "a0-ij1", "detected_at", t + 1)])  # arrives late
+    assert Job.objects.get(pk=job.pk).status == "running"
+
+
+def test_it_stays_recovering_while_a_later_cycle_is_open():
+    job, _ = make_job()
+    t = time.time() - 60
+    record(job, events=[cycle_ev("a", "a0-ij0-ip1", "fault_at", t), cycle_ev("b", "a0-ij1", "fault_at", t + 10,
+                                                                           layer="in_job")])
+    record(job, events=[cycle_ev("c", "a0-ij0-ip1", "first_step_at", t + 5)])  # the old one, out of order
+    assert Job.objects.get(pk=job.pk).status == "recovering"
+    record(job, events=[cycle_ev("d", "a0-ij1", "first_step_at", t + 20)])
+    assert Job.objects.get(pk=job.pk).status == "running"
+
+
+def test_it_attaches_faults_to_their_cycle_once():
+    job, _ = make_job()
+    t = time.time() - 10
+    f = ev("f1", "fault", {"fault": "exception", "cycle": "a0-ij0-ip1", "message": "boom", "detected_by": "in_process"},
+           at=t + 2, rank=1)
+    record(job, events=[f, cycle_ev("c1", "a0-ij0-ip1", "fault_at", t)])
+    record(job, events=[f])
+    fault = Fault.objects.get(job=job)
+    assert fault.cycle.key == "a0-ij0-ip1" and fault.rank == 1 and fault.source_key == "event:f1"
+    assert fault.at.timestamp() == pytest.approx(t) and fault.detected_at.timestamp() == pytest.approx(t + 2)
+    assert fault.cycle.reason == "exception: boom"
+
+
+def test_it_moves_checkpoints_forward_only():
+    job, _ = make_job()
+    t = time.time() - 10
+    record(job, events=[ev("k2", "checkpoint", {"step": 20, "state": "durable", "write_s": 1.5, "bytes": 10}, at=t + 2)])
+    record(job, events=[ev("k1", "checkpoint", {"step": 20, "state": "in_flight", "mode": "async"}, at=t)])
+    record(job, events=[ev("k3", "checkpoint", {"step": 20, "state": "failed"}, at=t + 3)])
+    c = Checkpoint.objects.get(job=job, step=20)
+    assert c.state == "durable" and c.bytes == 10
+    assert c.started_at.timestamp() == pytest.approx(t) and c.durable_latency_s == pytest.approx(2)
+
+
+def test_it_records_rank_finished_without_changing_the_status():
+    job, _ = make_job()
+    assert record(job, events=[ev(f"fin{r}", "rank_finished", {"step": 9}, rank=r) for r in range(4)]).events == 4
+    assert Job.objects.get(pk=job.pk).status == "running"
+
+
+def test_it_keeps_the_stall_clock_while_the_step_holds_and_clears_claims_on_progress(settle):
+    job, _ = make_job()
+    t = time.time() - 20
+    record(job, [hb(0, 5, at=t)])
+    settle()
+    Rank.objects.filter(job=job).update(stalled_at=timezone.now(), lost_at=timezone.now())
+    record(job, [hb(0, 5, at=t + 10)])
+    settle()
+    r = Rank.objects.get(job=job, rank=0)
+    assert r.step_changed_at.timestamp() == pytest.approx(t, abs=1e-3)
+    assert r.stall_at.timestamp() == pytest.approx(t + 120, abs=1e-3)
+    assert r.stalled_at is not None and r.lost_at is None  # alive again, still stuck
+    record(job, [hb(0, 6, at=t + 11)])
+    settle()
+    r.refresh_from_db()
+    assert r.stalled_at is None and r.last_step == 6 and r.step_changed_at.timestamp() > t + 5
+
+
+def test_it_uses_the_checkpoint_timeout_while_saving(settle):
+    job, _ = make_job(spec={"step_timeout_s": 10.0, "checkpoint_timeout_s": 200.0})
+    t = time.time()
+    record(job, [hb(0, 5, "checkpoint_save", at=t), hb(1, 5, "train", at=t), hb(2, 5, "stopped", at=t)])
+    settle()
+    rows = {r.rank: r for r in Rank.objects.filter(job=job)}
+    assert rows[0].stale_at.timestamp() == pytest.approx(t + 200, abs=1e-3)
+    assert rows[1].stale_at.timestamp() == pytest.approx(t + 10, abs=1e-3)
+    assert rows[2].stale_at is None
+    assert rows[0].stall_at is None and rows[1].stall_at is not None
+
+
+def test_it_tracks_job_progress(settle):
+    job, _ = make_job()
+    t = time.time() - 10
+    record(job, [hb(0, 10, at=t), hb(1, 12, at=t)])
+    record(job, [hb(0, 4, at=t + 5), hb(1, 4, at=t + 5)])  # rolled back after a restart
+    settle()
+    job.refresh_from_db()
+    assert (job.max_step, job.last_step) == (12, 4)
+    assert job.last_progress_at.timestamp() == pytest.approx(t, abs=1e-3)
+    assert job.first_step_at.timestamp() == pytest.approx(t, abs=1e-3)
+
+
+def test_it_falls_back_to_the_database_when_the_heartbeat_store_fails():
+    class Broken:
+        in_transaction = False
+
+        def record(self, *a, **k):
+            raise ConnectionError("redis is down")
+
+    job, _ = make_job()
+    b = parse_batch(batch([hb(0, 3)]), now=time.time(), world_size=4)
+    ingestion.record_batch(job, b, now=timezone.now(), store=Broken())
+    assert Rank.objects.get(job=job, rank=0).last_step == 3
+
+
+def _mutations(base):
+    yield base
+    values = [None, True, False, -1, 0, 1, 2**40, 1.5, "x", "", [], {}, float(time.time()), "train", 4]
+    rnd = random.Random(7)
+    keys = ["rank", "step", "phase", "at", "loss", "step_time_s", "tokens_per_s", "node", "pid", "extra"]
+    for _ in range(3000):
+        obj = copy.deepcopy(base)
+        what = rnd.random()
+        if what < 0.7:
+            h = rnd.choice(obj["heartbeats"])
+            k = rnd.choice(keys)
+            if rnd.random() < 0.15:
+                h.pop(k, None)
+            else:
+                h[k] = rnd.choice(values)
+        elif what < 0.85:
+            obj[rnd.choice(["v", "sent_at", "source", "heartbeats", "events"])] = rnd.choice(values)
+        else:
+            obj["heartbeats"][0]["at"] = obj["sent_at"] + rnd.choice([4.9, 5.1, 100])
+        yield obj
+
+
+def test_its_fast_validator_never_accepts_what_the_wire_module_refuses():
+    now = time.time()
+    base = batch([hb(r, 10 + r, at=now - 1, loss=2.5, node="n1", pid=7) for r in range(4)], sent_at=now)
+    accepted = 0
+    for obj in _mutations(base):
+        fast = ingestion.parse_heartbeats_fast(obj, now=now, world_size=4)
+        try:
+            slow = parse_batch(obj, now=now, world_size=4)
+        except (WireError, TypeError):  # TypeError: wire.py looks up unhashable values in its sets
+            slow = None
+        if fast is not None:
+            accepted += 1
+            assert slow is not None and not slow.events, obj
+            assert [(b["rank"], b["step"], b["phase"], float(b["at"])) for b in fast] == \
+                [(h.rank, h.step, h.phase, h.at) for h in slow.heartbeats]
+    assert accepted > 100  # the fast path is actually taken for good batches
