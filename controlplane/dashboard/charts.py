@@ -25,7 +25,7 @@ from controlplane.dashboard.timeline import (
 
 MAX_SPANS = 400  # per lane (job-wide counts as one lane)
 MAX_BINS = 600
-MAX_POINTS = 800
+MAX_POINTS = 600
 MAX_FAULT_MARKERS = 500
 MAX_LABELLED = 25
 
@@ -318,6 +318,11 @@ def checkpoint_figure(rows: list[dict]) -> dict:
     traces = []
 
     def hover(r: dict) -> str:
+        if "hover" not in r:
+            r["hover"] = _ckpt_hover(r)
+        return r["hover"]
+
+    def _ckpt_hover(r: dict) -> str:
         return (f"<b>step {r['step']}</b> · {r['mode']} · {r['state']}<br>started {hms(r['started_at'])} UTC"
                 f"<br>loop blocked {fmt_s(r['blocking_s'])} · durable after {fmt_s(r['durable_s'])}"
                 + (f"<br>write {r['mb_per_s']:.1f} MB/s" if r["mb_per_s"] else ""))

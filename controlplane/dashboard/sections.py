@@ -16,7 +16,7 @@ from django.db.models import Count, Max, Q
 
 from controlplane.dashboard import charts
 from controlplane.dashboard.timeline import job_spans, rank_spans, ts
-from controlplane.jobs.goodput import PARTS
+from controlplane.jobs.goodput import PARTS, Epoch
 from controlplane.jobs.models import (
     AuditEntry,
     Checkpoint,
@@ -140,9 +140,15 @@ def lanes_for(job: Job, now: datetime) -> list[dict]:
     return lanes
 
 
-def _cycle_dicts(job: Job) -> list[dict]:
+def _cycle_dicts(job: Job, lo: datetime | None = None, hi: datetime | None = None) -> list[dict]:
+    """Cycles overlapping [lo, hi] (all without bounds)."""
+    qs = RestartCycle.objects.filter(job=job)
+    if hi is not None:
+        qs = qs.exclude(fault_at__gt=hi)
+    if lo is not None:
+        qs = qs.filter(Q(first_step_at__gte=lo) | Q(first_step_at__isnull=True))
     out = []
-    for c in RestartCycle.objects.filter(job=job):
+    for c in qs:
         out.append({
             "id": c.pk, "key": c.key, "layer": c.layer, "reason": c.reason,
             "fault_at": ts(c.fault_at), "detected_at": ts(c.detected_at), "aborted_at": ts(c.aborted_at),
@@ -169,17 +175,20 @@ def timeline_part(job: Job, now: datetime, *, start: float | None = None, end: f
         t0, t1 = start, end
     t0, t1 = min(t0, t1 - 1.0), max(t1, t0 + 1.0)
     lanes = lanes_for(job, now)
-    cycles = _cycle_dicts(job)
     margin = timedelta(minutes=10)
     lo = datetime.fromtimestamp(t0, tz=now.tzinfo) - margin
     hi = datetime.fromtimestamp(t1, tz=now.tzinfo)
-    ck = [{"started_at": ts(a), "finished_at": ts(b), "blocking_s": bl, "mode": m, "state": s, "step": st}
+    cycles = _cycle_dicts(job, lo, hi)
+    ck = [{"started_at": a, "finished_at": b, "blocking_s": bl, "mode": m, "state": s, "step": st}
           for a, b, bl, m, s, st in Checkpoint.objects.filter(job=job, started_at__gte=lo, started_at__lte=hi)
-          .values_list("started_at", "finished_at", "blocking_s", "mode", "state", "step")]
-    faults = [{"at": ts(f.at), "detected_at": ts(f.detected_at), "rank": f.rank, "node": f.node,
-               "fault_class": f.fault_class, "cycle_id": f.cycle_id, "detected_by": f.detected_by,
-               "message": f.message, "detection_s": f.detection_s}
-              for f in Fault.objects.filter(job=job, at__lte=hi).order_by("at", "id")]
+          .values_list(Epoch("started_at"), Epoch("finished_at"), "blocking_s", "mode", "state", "step")]
+    # Faults in view, and older ones whose span may still reach into it (open cycle, late detection).
+    in_view = Q(at__gte=lo) | Q(detected_at__gte=lo) | Q(cycle__isnull=False, cycle__first_step_at__isnull=True)
+    faults = [{"at": at, "detected_at": det, "rank": rank, "node": node, "fault_class": cls, "cycle_id": cid,
+               "detected_by": by, "message": msg, "detection_s": max(0.0, det - at)}
+              for at, det, rank, node, cls, cid, by, msg in Fault.objects.filter(in_view, job=job, at__lte=hi)
+              .order_by("at", "id").values_list(Epoch("at"), Epoch("detected_at"), "rank", "node", "fault_class",
+                                                "cycle_id", "detected_by", "message")]
     ranks = [{"rank": ln["rank"], "health": ln["row"].health_at(now) if ln["row"] else "ok",
               "last_heartbeat_at": ts(ln["row"].last_heartbeat_at) if ln["row"] else None,
               "step_changed_at": ts(ln["row"].step_changed_at) if ln["row"] else None} for ln in lanes]
@@ -214,10 +223,11 @@ def checkpoint_part(job: Job) -> dict:
     rows = []
     for started_at, finished_at, blocking_s, write_s, nbytes, mode, state, step in (
             Checkpoint.objects.filter(job=job).order_by("started_at")
-            .values_list("started_at", "finished_at", "blocking_s", "write_s", "bytes", "mode", "state", "step")):
-        elapsed = (finished_at - started_at).total_seconds() if finished_at else None
+            .values_list(Epoch("started_at"), Epoch("finished_at"), "blocking_s", "write_s", "bytes", "mode", "state",
+                         "step")):
+        elapsed = max(0.0, finished_at - started_at) if finished_at is not None else None
         rows.append({
-            "started_at": started_at.timestamp(), "step": step, "mode": mode, "state": state,
+            "started_at": started_at, "step": step, "mode": mode, "state": state,
             "blocking_s": blocking_s, "elapsed_s": elapsed,
             "durable_s": elapsed if state == CheckpointState.DURABLE else None,
             "mb_per_s": (nbytes / write_s / 1e6) if nbytes and write_s else None,
@@ -303,7 +313,7 @@ def progress_part(job: Job, now: datetime) -> dict:
     points: list[tuple[float, int]] = []
     if job.first_step_at:
         points.append((job.first_step_at.timestamp(), 1))
-    points += [(a.timestamp(), s) for a, s in Checkpoint.objects.filter(job=job).values_list("started_at", "step")]
+    points += list(Checkpoint.objects.filter(job=job).values_list(Epoch("started_at"), "step"))
     for c in RestartCycle.objects.filter(job=job):
         if c.fault_at and c.step_at_fault is not None:
             points.append((c.fault_at.timestamp(), c.step_at_fault))

@@ -23,8 +23,11 @@ seconds under ``<part>_s``, ``wall_s`` and ``goodput`` (= the productive share).
 
 from __future__ import annotations
 
+import bisect
 import statistics
 from datetime import datetime
+
+from django.db.models import FloatField, Func, Max
 
 from trainer.wire import CheckpointState, CheckpointMode
 
@@ -43,10 +46,6 @@ def _union_length(intervals: list[tuple[float, float]]) -> tuple[float, list[tup
     return sum(b - a for a, b in merged), merged
 
 
-def _inside(t: float, merged: list[tuple[float, float]]) -> bool:
-    return any(a <= t < b for a, b in merged)
-
-
 def compute_goodput(job, now: datetime) -> dict[str, float]:
     start_dt = job.started_at or job.created_at
     end_dt = job.finished_at or now
@@ -63,10 +62,6 @@ def compute_goodput(job, now: datetime) -> dict[str, float]:
 
     cycles = list(job.cycles.values_list("fault_at", "detected_at", "aborted_at", "restarted_at",
                                          "first_step_at", "step_at_fault", "resumed_from_step"))
-    checkpoints = list(job.checkpoints.values_list("started_at", "finished_at", "blocking_s", "mode", "state",
-                                                   "step"))
-    durable_steps = sorted(s for _, _, _, _, state, s in checkpoints if state == CheckpointState.DURABLE)
-
     intervals = []
     lost_steps = 0
     for fault_at, detected_at, aborted_at, restarted_at, first_at, step_at_fault, resumed_from in cycles:
@@ -80,19 +75,11 @@ def compute_goodput(job, now: datetime) -> dict[str, float]:
             if resumed_from is not None:
                 lost_steps += max(0, step_at_fault - resumed_from)
             else:  # still recovering: it will resume from the newest durable checkpoint at or before the fault
-                base = max((s for s in durable_steps if s <= step_at_fault), default=0)
+                base = job.checkpoints.filter(state=CheckpointState.DURABLE, step__lte=step_at_fault).aggregate(
+                    m=Max("step"))["m"] or 0
                 lost_steps += max(0, step_at_fault - base)
     seconds["recovery"], merged = _union_length(intervals)
-
-    blocking = 0.0
-    for started_at, finished_at, blocking_s, mode, _state, _step in checkpoints:
-        t = started_at.timestamp()
-        if t < train_from or t >= end or _inside(t, merged):
-            continue
-        if blocking_s is None and mode == CheckpointMode.SYNC and finished_at is not None:
-            blocking_s = (finished_at - started_at).total_seconds()
-        blocking += min(max(0.0, blocking_s or 0.0), end - t)
-    seconds["checkpoint_blocking"] = blocking
+    seconds["checkpoint_blocking"] = _blocking(job, train_from, end, merged)
 
     # Inconsistent facts (overlaps we do not model) must not push the parts past W.
     overhead = seconds["startup"] + seconds["recovery"] + seconds["checkpoint_blocking"]
@@ -113,6 +100,41 @@ def compute_goodput(job, now: datetime) -> dict[str, float]:
         seconds["lost_work"] = lost_steps * step_s
     seconds["idle"] = max(0.0, training - seconds["productive"] - seconds["lost_work"])
     return _result(seconds, wall)
+
+
+class Epoch(Func):
+    """A datetime column as unix seconds (float), computed by the database: turning thousands of datetimes
+    into Python objects dominates a long job's page on SQLite, and the arithmetic only needs seconds."""
+
+    function = ""
+    output_field = FloatField()
+
+    def as_sqlite(self, compiler, connection, **extra):
+        return self.as_sql(compiler, connection, template="((julianday(%(expressions)s) - 2440587.5) * 86400.0)",
+                           **extra)
+
+    def as_postgresql(self, compiler, connection, **extra):
+        return self.as_sql(compiler, connection, template="EXTRACT(EPOCH FROM %(expressions)s)::float8", **extra)
+
+    def as_mysql(self, compiler, connection, **extra):
+        return self.as_sql(compiler, connection, template="UNIX_TIMESTAMP(%(expressions)s)", **extra)
+
+
+def _blocking(job, train_from: float, end: float, recoveries: list[tuple[float, float]]) -> float:
+    """Seconds the loop waited on saves begun in [train_from, end) outside recoveries."""
+    starts = [a for a, _ in recoveries]
+    total = 0.0
+    for t, finished, blocking_s, mode in job.checkpoints.values_list(
+            Epoch("started_at"), Epoch("finished_at"), "blocking_s", "mode"):
+        if t < train_from or t >= end:
+            continue
+        i = bisect.bisect_right(starts, t) - 1
+        if i >= 0 and t < recoveries[i][1]:
+            continue  # a save begun inside a recovery is part of that recovery
+        if blocking_s is None and mode == CheckpointMode.SYNC and finished is not None:
+            blocking_s = finished - t  # a sync save that did not report its blocked time blocked for all of it
+        total += min(max(0.0, blocking_s or 0.0), end - t)
+    return total
 
 
 def _result(seconds: dict[str, float], wall: float) -> dict[str, float]:

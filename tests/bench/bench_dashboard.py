@@ -1,0 +1,298 @@
+"""Dashboard benchmark (``make bench-dashboard``): job page server time, ingest -> open page latency.
+
+Builds, in a database of its own (``DATABASE_URL`` if set, else SQLite under var/bench-dashboard/), one
+running job on 8 nodes × 8 ranks with 100,000 events, 2,000 checkpoints, 100 restart cycles and 150
+faults, then measures:
+
+1. ``job_page_ms``: the job page rendered in-process (Django test client, a signed-in viewer): the
+   median of ``--requests`` requests after one warm-up; every part of the page is rendered.
+2. ``live_p95_s``: a real server (``uvicorn controlplane.asgi:application``) runs while 64 ranks beat
+   once a second through the real ingest API. A client does what an open job page does: poll
+   ``/jobs/<id>/live/`` every 500 ms with its cursor and fetch the parts it names. Fault events are
+   posted through the ingest API at random intervals; latency is from the moment ingest accepted the
+   event (its 200 response) to the moment the client received the fault table showing it.
+
+The last line is exactly ``job_page_ms=<X> live_p95_s=<Y>``. Targets: <= 150 ms and <= 1 s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.cookiejar
+import json
+import os
+import random
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+DATA_DIR = ROOT / "var" / "bench-dashboard"
+POLL_S = 0.5
+RANKS = 64
+
+
+def setup_django() -> None:
+    os.environ.setdefault("UNBROKEN_SECRET_KEY", "bench-only-secret-key-not-for-production-0123456789abcdef")
+    os.environ["UNBROKEN_DATA_DIR"] = str(DATA_DIR)
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "controlplane.settings")
+    if not os.environ.get("DATABASE_URL"):
+        shutil.rmtree(DATA_DIR, ignore_errors=True)
+    DATA_DIR.mkdir(parents=True, exist_ok=True)
+    import django
+
+    django.setup()
+    from django.core.management import call_command
+
+    call_command("migrate", verbosity=0, interactive=False)
+
+
+def build_job(*, num_events: int, num_checkpoints: int, num_cycles: int, num_faults: int):
+    """One running 64-rank job with a long history; returns (job, token)."""
+    from django.contrib.auth.models import User
+    from django.utils import timezone
+
+    from controlplane.jobs.models import AuditEntry, Checkpoint, Command, Event, Fault, Job, Rank, RestartCycle
+    from controlplane.jobs.spec import JobSpec, KubernetesSpec
+
+    rnd = random.Random(7)
+    now = timezone.now()
+    interval_s = 60.0
+    age = timedelta(seconds=num_checkpoints * interval_s + 120)
+    spec = JobSpec(backend="kubernetes", nodes=8, procs_per_node=8, preset="1b", steps=10**6,
+                   checkpoint_interval=100, kubernetes=KubernetesSpec())
+    user = User.objects.create_user("bench", password="bench-password-123")
+    start = now - age
+    job = Job(name="bench", spec=spec.to_dict(), backend="kubernetes", status="running", created_by=user,
+              created_at=start, started_at=start, first_step_at=start + timedelta(seconds=60),
+              last_step=num_checkpoints * 100, max_step=num_checkpoints * 100, last_progress_at=now)
+    token = job.issue_token()
+    job.save()
+    Rank.objects.bulk_create([
+        Rank(job=job, rank=r, node=f"node-{r // 8}", phase="train", last_heartbeat_at=now, last_step=job.last_step,
+             step_changed_at=now, loss=2.0 + rnd.random(), step_time_s=0.5, tokens_per_s=40000.0,
+             stale_at=now + timedelta(seconds=30), stall_at=now + timedelta(seconds=120))
+        for r in range(RANKS)])
+    first = job.first_step_at
+    Checkpoint.objects.bulk_create([
+        Checkpoint(job=job, step=100 * (i + 1), mode="async" if i % 10 else "sync",
+                   state="durable" if i % 97 else "failed",
+                   started_at=first + timedelta(seconds=interval_s * i + 30), blocking_s=0.05 + rnd.random() / 10,
+                   finished_at=first + timedelta(seconds=interval_s * i + 30 + 2 + 4 * rnd.random()),
+                   write_s=2.0, bytes=2 * 10**9)
+        for i in range(num_checkpoints)], batch_size=1000)
+    layers = ["in_process", "in_process", "in_job", "job"]
+    cycles = []
+    for i in range(num_cycles):
+        f = first + timedelta(seconds=(i + 0.5) * (age.total_seconds() - 200) / num_cycles)
+        cycles.append(RestartCycle(job=job, key=f"c{i}", layer=layers[i % 4], reason="bench", fault_at=f,
+                                   detected_at=f + timedelta(seconds=0.3), aborted_at=f + timedelta(seconds=0.5),
+                                   restarted_at=f + timedelta(seconds=1), checkpoint_loaded_at=f + timedelta(seconds=3),
+                                   first_step_at=f + timedelta(seconds=4), step_at_fault=1000 * i + 50,
+                                   resumed_from_step=1000 * i))
+    RestartCycle.objects.bulk_create(cycles)
+    cycles = list(RestartCycle.objects.filter(job=job).order_by("fault_at"))
+    classes = ["exception", "hang", "process_killed", "nan_loss", "heartbeat_lost"]
+    Fault.objects.bulk_create([
+        Fault(job=job, cycle=cycles[i % num_cycles], fault_class=classes[i % 5], rank=i % RANKS,
+              node=f"node-{(i % RANKS) // 8}", detected_by="trainer", message=f"bench fault {i}",
+              at=cycles[i % num_cycles].fault_at, detected_at=cycles[i % num_cycles].detected_at,
+              source_key=f"bench-{i}")
+        for i in range(num_faults)])
+    for i in range(50):
+        cmd = Command.objects.create(job=job, kind="restart", level="in_process", issued_by=user, status="acked")
+        AuditEntry.objects.create(actor=user, actor_name="bench", action="job.restart", job=job,
+                                  detail={"command": cmd.pk})
+    kinds = ["checkpoint", "cycle", "fault", "rank_started", "command_ack"]
+    span = age.total_seconds()
+    batch = []
+    for i in range(num_events):
+        batch.append(Event(job=job, event_id=f"e{i}", kind=kinds[i % 5], rank=i % RANKS,
+                           at=start + timedelta(seconds=span * i / num_events), received_at=now,
+                           source=f"rank:{i % RANKS}", data={"step": i, "n": i}))
+        if len(batch) == 5000:
+            Event.objects.bulk_create(batch)
+            batch = []
+    Event.objects.bulk_create(batch)
+    return job, token, user
+
+
+def measure_page(job, user, *, requests: int) -> tuple[float, list[float]]:
+    from django.test import Client
+
+    c = Client(HTTP_HOST="127.0.0.1")
+    c.force_login(user)
+    url = f"/jobs/{job.pk}/"
+    times = []
+    for i in range(requests + 1):
+        t = time.perf_counter()
+        resp = c.get(url)
+        dt = (time.perf_counter() - t) * 1000
+        assert resp.status_code == 200, resp.status_code
+        if i:  # the first request warms caches (templates, plotly, imports)
+            times.append(dt)
+    return statistics.median(times), times
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_up(url: str, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            urllib.request.urlopen(url, timeout=1)
+            return
+        except urllib.error.HTTPError:
+            return
+        except OSError:
+            time.sleep(0.2)
+    raise SystemExit(f"the server at {url} did not come up in {timeout_s:.0f} s")
+
+
+class PageClient:
+    """What an open job page does: poll the cursor, fetch the parts it names (in parallel)."""
+
+    def __init__(self, base: str, job_id: int, sessionid: str):
+        self.base, self.job_id = base, job_id
+        jar = http.cookiejar.CookieJar()
+        jar.set_cookie(http.cookiejar.Cookie(0, "sessionid", sessionid, None, False, "127.0.0.1", False, False, "/",
+                                             True, False, None, False, None, None, {}))
+        self.opener = urllib.request.build_opener(urllib.request.HTTPCookieProcessor(jar))
+        self.cursor = ""
+        self.seen: dict[str, float] = {}
+        self.stop = threading.Event()
+        self.pool = ThreadPoolExecutor(4)
+        self.polls = 0
+        self.bytes_unchanged = 0
+
+    def get(self, path: str) -> bytes:
+        with self.opener.open(self.base + path, timeout=10) as r:
+            return r.read()
+
+    def part(self, name: str) -> tuple[str, bytes]:
+        return name, self.get(f"/jobs/{self.job_id}/part/{name}/")
+
+    def run(self, watch: list[str]) -> None:
+        while not self.stop.is_set():
+            body = self.get(f"/jobs/{self.job_id}/live/?c={self.cursor}")
+            j = json.loads(body)
+            self.polls += 1
+            if not j["changed"]:
+                self.bytes_unchanged = len(body)
+            for name, html in self.pool.map(self.part, j["changed"]):
+                if name == "faults":
+                    text = html.decode()
+                    t = time.monotonic()
+                    for marker in watch:
+                        if marker in text and marker not in self.seen:
+                            self.seen[marker] = t
+            self.cursor = j["cursor"]
+            self.stop.wait(POLL_S)
+
+
+def post(base: str, job_id: int, token: str, body: dict) -> None:
+    req = urllib.request.Request(f"{base}/api/v1/jobs/{job_id}/ingest", data=json.dumps(body).encode(), method="POST",
+                                 headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=10) as r:
+        assert r.status == 200, r.status
+
+
+def measure_live(job, token: str, user, *, faults: int, app: str) -> list[float]:
+    from django.contrib.sessions.backends.db import SessionStore
+
+    session = SessionStore()
+    session["_auth_user_id"] = str(user.pk)
+    session["_auth_user_backend"] = "django.contrib.auth.backends.ModelBackend"
+    session["_auth_user_hash"] = user.get_session_auth_hash()
+    session.create()
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    server = subprocess.Popen([sys.executable, "-m", "uvicorn", app, "--host", "127.0.0.1", "--port", str(port),
+                               "--no-access-log", "--log-level", "warning"], cwd=ROOT, env=env, start_new_session=True)
+    try:
+        wait_up(base + "/login/")
+        stop = threading.Event()
+
+        def heartbeats():
+            step = job.last_step
+            while not stop.is_set():
+                step += 1
+                now = time.time()
+                post(base, job.pk, token, {"v": 1, "sent_at": now, "source": "bench", "events": [], "heartbeats": [
+                    {"rank": r, "step": step, "phase": "train", "at": now, "loss": 2.0, "step_time_s": 0.5,
+                     "node": f"node-{r // 8}"} for r in range(RANKS)]})
+                stop.wait(1.0)
+
+        beater = threading.Thread(target=heartbeats, daemon=True)
+        beater.start()
+        markers = [f"bench-live-fault-{i}" for i in range(faults)]
+        client = PageClient(base, job.pk, session.session_key)
+        watcher = threading.Thread(target=client.run, args=(markers,), daemon=True)
+        watcher.start()
+        time.sleep(2.0)  # the page is open and has its cursor
+        rnd = random.Random(11)
+        accepted: dict[str, float] = {}
+        for i, marker in enumerate(markers):
+            now = time.time()
+            post(base, job.pk, token, {"v": 1, "sent_at": now, "source": "bench", "heartbeats": [], "events": [
+                {"id": f"live-{i}", "kind": "fault", "at": now, "rank": i % RANKS,
+                 "data": {"fault": "exception", "message": marker, "detected_by": "in_process"}}]})
+            accepted[marker] = time.monotonic()
+            time.sleep(rnd.uniform(0.4, 1.2))
+        deadline = time.monotonic() + 5
+        while len(client.seen) < len(markers) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        client.stop.set()
+        stop.set()
+        missing = [m for m in markers if m not in client.seen]
+        if missing:
+            raise SystemExit(f"{len(missing)} faults never reached the page: {missing[:3]}")
+        print(f"polls={client.polls} unchanged_poll_bytes={client.bytes_unchanged}")
+        return [client.seen[m] - accepted[m] for m in markers]
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        try:
+            server.wait(10)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--events", type=int, default=100_000)
+    ap.add_argument("--checkpoints", type=int, default=2_000)
+    ap.add_argument("--requests", type=int, default=9)
+    ap.add_argument("--faults", type=int, default=40, help="fault events posted during the live measurement")
+    ap.add_argument("--app", default="controlplane.asgi:application", help="the ASGI app uvicorn serves")
+    args = ap.parse_args()
+    setup_django()
+    t = time.perf_counter()
+    job, token, user = build_job(num_events=args.events, num_checkpoints=args.checkpoints, num_cycles=100,
+                                 num_faults=150)
+    print(f"built job #{job.pk}: {args.events} events, {args.checkpoints} checkpoints, {RANKS} ranks "
+          f"in {time.perf_counter() - t:.1f} s")
+    page_ms, times = measure_page(job, user, requests=args.requests)
+    print("job page ms:", " ".join(f"{x:.0f}" for x in times))
+    lat = sorted(measure_live(job, token, user, faults=args.faults, app=args.app))
+    p95 = lat[min(len(lat) - 1, int(round(0.95 * (len(lat) - 1))))]
+    print(f"live latency s: p50={statistics.median(lat):.3f} p95={p95:.3f} max={lat[-1]:.3f} (n={len(lat)})")
+    print(f"job_page_ms={page_ms:.0f} live_p95_s={p95:.2f}")
+
+
+if __name__ == "__main__":
+    main()
