@@ -42,6 +42,14 @@ def recoveries(events: list[dict]) -> list[float]:
     return out
 
 
+def layers_of(events: list[dict]) -> dict[str, set[str]]:
+    out: dict[str, set[str]] = {}
+    for e in events:
+        if e["kind"] == "cycle" and e["data"]["mark"] == "first_step_at":
+            out.setdefault(e["data"]["cycle"], set()).add(e["data"]["layer"])
+    return out
+
+
 def run_drills(fault: str, n: int, *, in_process: bool = True) -> list[float]:
     steps = 10 * n + 8
     flags = [*BASE, "--steps", str(steps), *[f for i in range(n) for f in ("--drill", f"{10 * i + 12}:{fault}:1")]]
@@ -49,12 +57,17 @@ def run_drills(fault: str, n: int, *, in_process: bool = True) -> list[float]:
         flags.append("--no-in-process")
     recv = Receiver().start()
     try:
-        run = launch(Path(tempfile.mkdtemp(prefix=f"bench-{fault}-")), trainer_flags=flags, report_url=recv.url,
-                     max_restarts=n + 1, timeout_s=600)
+        run_dir = Path(tempfile.mkdtemp(prefix=f"bench-{fault}-"))
+        run = launch(run_dir, trainer_flags=flags, report_url=recv.url, max_restarts=n + 1, timeout_s=600)
+        (run_dir / "launch.log").write_text(run.log)  # kept for post-mortems of slow recoveries
         time.sleep(0.5)
         if run.rc != 0:
             print(run.log[-3000:], file=sys.stderr)
             raise SystemExit(f"{fault}: run failed (rc {run.rc})")
+        slow = [c for c, marks in layers_of(recv.events()).items() if marks != {"in_process"}]
+        if in_process and fault != "sigkill" and slow:
+            print(f"  note: {fault}: cycles {slow} escalated past the in-process layer (log: {run_dir})",
+                  flush=True)
         return recoveries(recv.events())
     finally:
         recv.stop()
