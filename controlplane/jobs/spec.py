@@ -141,8 +141,8 @@ class JobSpec:
                 errors[f"drills[{i}].fault"] = f"must be one of {', '.join(f.value for f in DrillFault)}"
             elif not 0 <= d.rank < self.world_size:
                 errors[f"drills[{i}].rank"] = f"must be a rank of this job: 0..{self.world_size - 1}"
-            elif not 0 < d.step <= self.steps:
-                errors[f"drills[{i}].step"] = f"must be within 1..steps ({self.steps})"
+            elif not 0 < d.step < self.steps:
+                errors[f"drills[{i}].step"] = f"must be within 1..{self.steps - 1} (before the last step)"
         if errors:
             raise SpecError(errors)
 

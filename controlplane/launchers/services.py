@@ -9,7 +9,7 @@ act once.
 from __future__ import annotations
 
 import logging
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 
 from django.db import IntegrityError, transaction
 from django.utils import timezone
@@ -24,19 +24,28 @@ from controlplane.jobs.models import (
     RestartCycle,
 )
 from controlplane.jobs.services import begin_job_restart, mark_command, set_status
-from controlplane.launchers.base import LaunchError, LaunchFault, get_launcher
+from controlplane.launchers.base import LaunchError, LaunchFault, TransientLaunchError, get_launcher
 from trainer.wire import cycle_key
 
 log = logging.getLogger(__name__)
 STOP_GRACE_S = 10.0
+# A launch or relaunch that has not produced a running attempt after this long is failed.
+LAUNCH_TIMEOUT = timedelta(minutes=10)
+# Pods that cannot start (unschedulable, image pull) fail the job after this long.
+PENDING_TIMEOUT = timedelta(minutes=10)
+# A job-level relaunch that failed transiently is tried again after this long.
+RELAUNCH_RETRY_AFTER = timedelta(seconds=30)
 
 
 def start_attempt(*, job: Job) -> None:
-    """Launch ``job.attempt``; the first launch mints the job's ingest token."""
+    """Launch ``job.attempt`` with a freshly minted ingest token.
+
+    Minting on every attempt means a launch retried after a transient error always has the
+    plaintext to hand over (only the hash is stored), and a stopped attempt's token stops working.
+    """
     launcher = get_launcher(job.backend)
-    token = job.issue_token() if not job.token_hash else None
-    if token is not None:
-        Job.objects.filter(pk=job.pk).update(token_hash=job.token_hash)
+    token = job.issue_token()
+    Job.objects.filter(pk=job.pk).update(token_hash=job.token_hash)
     try:
         state = launcher.launch(job, token=token)
     except LaunchError as e:
@@ -118,6 +127,10 @@ def supervise_job(*, job: Job) -> str:
         record_launch_fault(job, fault)
     if result.state == "succeeded":
         set_status(job, JobStatus.SUCCEEDED, result.reason, only_from=ACTIVE_STATUSES)
+    elif result.state == "pending" and result.faults and timezone.now() - job.status_changed_at > PENDING_TIMEOUT:
+        if set_status(job, JobStatus.FAILED, f"could not start within {PENDING_TIMEOUT}: "
+                      f"{result.faults[-1].message}", only_from=ACTIVE_STATUSES):
+            get_launcher(job.backend).stop(job, grace_s=STOP_GRACE_S)
     elif result.state in ("failed", "lost"):
         spec = job.job_spec
         if spec.job_restart and job.attempt < spec.max_job_restarts:
@@ -134,8 +147,31 @@ def supervise_job(*, job: Job) -> str:
     return result.state
 
 
+def retry_stuck_launches(now: datetime | None = None) -> int:
+    """Jobs without a running attempt: relaunch a job-level restart whose launch failed transiently,
+    fail what has waited past LAUNCH_TIMEOUT. Each retry is claimed with a conditional update."""
+    now = now or timezone.now()
+    n = 0
+    for job in Job.objects.active().filter(launcher_state={}):
+        waited = now - job.status_changed_at
+        if waited > LAUNCH_TIMEOUT:
+            set_status(job, JobStatus.FAILED, f"the launcher could not start attempt {job.attempt} "
+                       f"within {LAUNCH_TIMEOUT}; see the worker log", only_from=ACTIVE_STATUSES)
+        elif job.status == JobStatus.RECOVERING and job.attempt > 0 and waited > RELAUNCH_RETRY_AFTER:
+            claimed = Job.objects.filter(pk=job.pk, launcher_state={}, status_changed_at=job.status_changed_at
+                                         ).update(status_changed_at=now)
+            if claimed:
+                job.status_changed_at = now
+                try:
+                    start_attempt(job=job)
+                except (LaunchError, TransientLaunchError) as e:
+                    log.warning("relaunch of job %s attempt %s failed: %s", job.pk, job.attempt, e)
+                n += 1
+    return n
+
+
 def supervise_all() -> int:
-    """One pass over every launched, active job. Safe to run in several workers at once."""
+    """One pass over every active job. Safe to run in several workers at once."""
     n = 0
     for job in Job.objects.active().exclude(launcher_state={}):
         try:
@@ -143,5 +179,5 @@ def supervise_all() -> int:
         except Exception:  # one broken job must not stop supervision of the others
             log.exception("supervising job %s failed", job.pk)
         n += 1
+    retry_stuck_launches()
     return n
-

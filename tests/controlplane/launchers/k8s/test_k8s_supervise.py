@@ -119,11 +119,58 @@ def test_the_launch_task_retries_transient_api_errors_with_a_cap(cluster):
     assert result.failed() and isinstance(result.result, TransientLaunchError)
 
 
-@pytest.mark.xfail(strict=True, reason="lead: start_attempt mints the token only when token_hash is empty, so a "
-                   "launch retried after a transient error before the Secret existed gets token=None and the "
-                   "plaintext is gone; mint a token on every start_attempt (see the k8s launcher report)")
 def test_the_launch_task_survives_a_transient_error_before_the_secret_exists(cluster):
     job = create_job()
     cluster.emu.fail_next("POST", "/jobs", 503)
     result = tasks.launch.apply(args=(job.pk,))
     assert result.successful()
+
+
+def test_it_fails_a_job_whose_pods_cannot_start_for_too_long(cluster):
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    job = create_job()
+    tasks.launch(job.pk)
+    for pod in cluster.start_pods(f"unbroken-{job.pk}"):
+        cluster.unschedulable(pod)
+    Job.objects.filter(pk=job.pk).update(status_changed_at=timezone.now() - services.PENDING_TIMEOUT - timedelta(1))
+    job.refresh_from_db()
+    assert services.supervise_job(job=job) == "pending"
+    job.refresh_from_db()
+    assert job.status == JobStatus.FAILED
+    assert "could not start" in job.status_reason and "Insufficient nvidia.com/gpu" in job.status_reason
+    assert cluster.pod_names(job.pk) == []
+
+
+def test_it_retries_a_job_level_relaunch_that_failed_transiently(cluster):
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    job, (p0, p1) = launched(cluster, max_job_restarts=2)
+    cluster.terminate(p1, exit_code=137, reason="OOMKilled")
+    cluster.emu.fail_next("POST", "/jobs", 503)
+    with pytest.raises(TransientLaunchError):
+        services.supervise_job(job=job)
+    job.refresh_from_db()
+    assert (job.attempt, job.status, job.launcher_state) == (1, JobStatus.RECOVERING, {})
+
+    assert services.retry_stuck_launches() == 0  # too early: waits RELAUNCH_RETRY_AFTER
+    later = timezone.now() + services.RELAUNCH_RETRY_AFTER + timedelta(seconds=1)
+    assert services.retry_stuck_launches(later) == 1
+    job.refresh_from_db()
+    assert job.launcher_state["attempt"] == 1
+    assert job.token_matches(secret_token(cluster, job))
+
+
+def test_it_fails_a_launch_that_never_started(cluster):
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    job = create_job()
+    services.retry_stuck_launches(timezone.now() + services.LAUNCH_TIMEOUT + timedelta(seconds=1))
+    job.refresh_from_db()
+    assert job.status == JobStatus.FAILED and "could not start attempt 0" in job.status_reason
