@@ -97,7 +97,7 @@ def test_every_container_has_requests_a_memory_limit_and_runs_unprivileged(docs)
 def test_web_has_probes_and_reads_secrets_from_files_and_secret_refs(docs):
     web = by_kind(docs, "Deployment")["unbroken-web"]["spec"]["template"]["spec"]
     c = web["containers"][0]
-    assert c["readinessProbe"]["tcpSocket"]["port"] == "http" and c["livenessProbe"]
+    assert c["readinessProbe"]["httpGet"] == {"path": "/healthz", "port": "http"} and c["livenessProbe"]["httpGet"]
     assert web["initContainers"][0]["command"][-2:] == ["migrate", "--noinput"]
     env = {e["name"]: e for e in c["env"]}
     assert env["DATABASE_URL"]["valueFrom"]["secretKeyRef"] == {"name": "unbroken-db", "key": "url"}
