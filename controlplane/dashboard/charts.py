@@ -317,15 +317,16 @@ def checkpoint_figure(rows: list[dict]) -> dict:
     rows = downsample_points(rows, key="durable_s", keep=lambda r: r["state"] in ("failed", "abandoned"))
     traces = []
 
-    def hover(r: dict) -> str:
-        if "hover" not in r:
-            r["hover"] = _ckpt_hover(r)
-        return r["hover"]
+    # Hover from numbers (customdata + hovertemplate): a preformatted string per point would triple the
+    # payload of a long job's chart.
+    def custom(sel: list[dict]) -> list[list]:
+        return [[r["step"], r["state"], r["blocking_s"], r["durable_s"], r["mb_per_s"] and round(r["mb_per_s"], 1)]
+                for r in sel]
 
-    def _ckpt_hover(r: dict) -> str:
-        return (f"<b>step {r['step']}</b> · {r['mode']} · {r['state']}<br>started {hms(r['started_at'])} UTC"
-                f"<br>loop blocked {fmt_s(r['blocking_s'])} · durable after {fmt_s(r['durable_s'])}"
-                + (f"<br>write {r['mb_per_s']:.1f} MB/s" if r["mb_per_s"] else ""))
+    def template(mode: str) -> str:
+        return (f"<b>step %{{customdata[0]}}</b> · {mode} · %{{customdata[1]}}<br>started %{{x|%H:%M:%S}} UTC"
+                "<br>loop blocked %{customdata[2]:.3f} s · durable after %{customdata[3]:.2f} s"
+                "<br>write %{customdata[4]} MB/s<extra></extra>")
 
     for mode, symbol in (("sync", "square"), ("async", "circle")):
         sel = [r for r in rows if r["mode"] == mode and r["state"] in ("durable", "in_flight")]
@@ -335,7 +336,7 @@ def checkpoint_figure(rows: list[dict]) -> dict:
             "type": "scatter", "mode": "markers", "name": f"blocked · {mode}",
             "x": [ms(r["started_at"]) for r in sel], "y": [r["blocking_s"] for r in sel],
             "marker": {"symbol": symbol, "size": 7, "color": "#4e79a7"},
-            "customdata": [hover(r) for r in sel], "hovertemplate": "%{customdata}<extra></extra>",
+            "customdata": custom(sel), "hovertemplate": template(mode),
         })
         dur = [r for r in sel if r["durable_s"] is not None]
         if dur:
@@ -343,7 +344,7 @@ def checkpoint_figure(rows: list[dict]) -> dict:
                 "type": "scatter", "mode": "markers", "name": f"time to durable · {mode}",
                 "x": [ms(r["started_at"]) for r in dur], "y": [r["durable_s"] for r in dur],
                 "marker": {"symbol": symbol + "-open", "size": 8, "color": "#59a14f", "line": {"width": 2}},
-                "customdata": [hover(r) for r in dur], "hovertemplate": "%{customdata}<extra></extra>",
+                "customdata": custom(dur), "hovertemplate": template(mode),
             })
     for state, color in (("failed", "#c0392b"), ("abandoned", "#ff7f0e")):
         sel = [r for r in rows if r["state"] == state]
@@ -352,7 +353,7 @@ def checkpoint_figure(rows: list[dict]) -> dict:
                 "type": "scatter", "mode": "markers", "name": state,
                 "x": [ms(r["started_at"]) for r in sel], "y": [r["elapsed_s"] or r["blocking_s"] or 0.001 for r in sel],
                 "marker": {"symbol": "x", "size": 11, "color": color},
-                "customdata": [hover(r) for r in sel], "hovertemplate": "%{customdata}<extra></extra>",
+                "customdata": custom(sel), "hovertemplate": template("save"),
             })
     thr = [r for r in rows if r["mb_per_s"]]
     if thr:

@@ -219,12 +219,20 @@ def command_summary(c: Command) -> str:
     return c.kind
 
 
+def _checkpoint_rows(job: Job) -> list[tuple]:
+    """Every save of the job as plain tuples (epoch floats), loaded once per request: the checkpoint
+    chart and the progress chart both read them."""
+    rows = getattr(job, "_dashboard_checkpoints", None)
+    if rows is None:
+        rows = list(Checkpoint.objects.filter(job=job).order_by("started_at").values_list(
+            Epoch("started_at"), Epoch("finished_at"), "blocking_s", "write_s", "bytes", "mode", "state", "step"))
+        job._dashboard_checkpoints = rows
+    return rows
+
+
 def checkpoint_part(job: Job) -> dict:
     rows = []
-    for started_at, finished_at, blocking_s, write_s, nbytes, mode, state, step in (
-            Checkpoint.objects.filter(job=job).order_by("started_at")
-            .values_list(Epoch("started_at"), Epoch("finished_at"), "blocking_s", "write_s", "bytes", "mode", "state",
-                         "step")):
+    for started_at, finished_at, blocking_s, write_s, nbytes, mode, state, step in _checkpoint_rows(job):
         elapsed = max(0.0, finished_at - started_at) if finished_at is not None else None
         rows.append({
             "started_at": started_at, "step": step, "mode": mode, "state": state,
@@ -313,12 +321,13 @@ def progress_part(job: Job, now: datetime) -> dict:
     points: list[tuple[float, int]] = []
     if job.first_step_at:
         points.append((job.first_step_at.timestamp(), 1))
-    points += list(Checkpoint.objects.filter(job=job).values_list(Epoch("started_at"), "step"))
-    for c in RestartCycle.objects.filter(job=job):
-        if c.fault_at and c.step_at_fault is not None:
-            points.append((c.fault_at.timestamp(), c.step_at_fault))
-        if c.first_step_at and c.resumed_from_step is not None:
-            points.append((c.first_step_at.timestamp(), c.resumed_from_step))
+    points += [(r[0], r[7]) for r in _checkpoint_rows(job)]
+    for fault_at, step_at_fault, first_at, resumed in RestartCycle.objects.filter(job=job).values_list(
+            Epoch("fault_at"), "step_at_fault", Epoch("first_step_at"), "resumed_from_step"):
+        if fault_at is not None and step_at_fault is not None:
+            points.append((fault_at, step_at_fault))
+        if first_at is not None and resumed is not None:
+            points.append((first_at, resumed))
     if job.last_progress_at:
         points.append((job.last_progress_at.timestamp(), job.last_step))
     points.sort()

@@ -133,14 +133,17 @@ def measure_page(job, user, *, requests: int) -> tuple[float, list[float]]:
     c = Client(HTTP_HOST="127.0.0.1")
     c.force_login(user)
     url = f"/jobs/{job.pk}/"
-    times = []
+    times, cpu = [], []
     for i in range(requests + 1):
-        t = time.perf_counter()
+        t, p = time.perf_counter(), time.process_time()
         resp = c.get(url)
-        dt = (time.perf_counter() - t) * 1000
+        dt, dp = (time.perf_counter() - t) * 1000, (time.process_time() - p) * 1000
         assert resp.status_code == 200, resp.status_code
         if i:  # the first request warms caches (templates, plotly, imports)
             times.append(dt)
+            cpu.append(dp)
+    print(f"job page: {len(resp.content)} bytes; cpu ms median {statistics.median(cpu):.0f}; "
+          f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
     return statistics.median(times), times
 
 
