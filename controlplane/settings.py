@@ -115,6 +115,9 @@ else:
                 "timeout": 20,
                 "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;",
             },
+            # A file, not shared-cache memory: end-to-end tests write from the live server, the
+            # Celery worker and the test at once, which shared-cache SQLite answers with "table is locked".
+            "TEST": {"NAME": str(DATA_DIR / f"test-unbroken-{os.getpid()}.sqlite3")},
         }
     }
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"

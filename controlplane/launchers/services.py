@@ -25,7 +25,7 @@ from controlplane.jobs.models import (
 )
 from controlplane.jobs.services import begin_job_restart, mark_command, set_status
 from controlplane.launchers.base import LaunchError, LaunchFault, TransientLaunchError, get_launcher
-from trainer.wire import cycle_key
+from trainer.wire import CommandKind, cycle_key
 
 log = logging.getLogger(__name__)
 STOP_GRACE_S = 10.0
@@ -68,11 +68,22 @@ def launch_job_now(*, job_id: int) -> None:
 
 
 def stop_job_now(*, job_id: int, command_id: int | None, reason: str = "stopped by an operator") -> None:
-    """End whatever is left of the job (after the trainer's graceful stop had its grace period)."""
+    """End whatever is left of the job (after the trainer's graceful stop had its grace period).
+
+    The job is marked stopped first, so a supervisor that sees the processes die meanwhile does
+    not take it for a failure and relaunch; an attempt that a racing relaunch started anyway is
+    stopped too.
+    """
     job = Job.objects.get(pk=job_id)
-    get_launcher(job.backend).stop(job, grace_s=STOP_GRACE_S)
     if job.status in ACTIVE_STATUSES:
         set_status(job, JobStatus.STOPPED, reason)
+    launcher = get_launcher(job.backend)
+    for _ in range(3):
+        launcher.stop(job, grace_s=STOP_GRACE_S)
+        stopped_attempt = job.attempt
+        job.refresh_from_db()
+        if job.attempt == stopped_attempt:
+            break
     if command_id is not None:
         cmd = Command.objects.filter(pk=command_id).first()
         if cmd is not None and cmd.status not in (CommandStatus.ACKED, CommandStatus.DONE):
@@ -99,6 +110,8 @@ def restart_job_now(*, job_id: int, command_id: int | None, reason: str = "resta
         return False
     job.attempt += 1
     job.launcher_state = {}
+    if job.commands.filter(kind=CommandKind.STOP).exists():
+        return False  # a stop arrived while the old attempt was being torn down
     start_attempt(job=job)
     if command_id is not None:
         cmd = Command.objects.filter(pk=command_id).first()
@@ -123,9 +136,13 @@ def record_launch_fault(job: Job, fault: LaunchFault) -> bool:
 def supervise_job(*, job: Job) -> str:
     """Poll the launcher once and act on what it sees. Returns the poll state."""
     result = get_launcher(job.backend).poll(job)
-    for fault in result.faults:
+    stopping = result.state in ("succeeded", "failed", "lost") and job.commands.filter(kind=CommandKind.STOP).exists()
+    for fault in result.faults if not stopping else ():
         record_launch_fault(job, fault)
-    if result.state == "succeeded":
+    if stopping:
+        # An operator asked for a stop: however the processes ended, that is what happened.
+        set_status(job, JobStatus.STOPPED, "stopped by an operator", only_from=ACTIVE_STATUSES)
+    elif result.state == "succeeded":
         set_status(job, JobStatus.SUCCEEDED, result.reason, only_from=ACTIVE_STATUSES)
     elif result.state == "pending" and result.faults and timezone.now() - job.status_changed_at > PENDING_TIMEOUT:
         if set_status(job, JobStatus.FAILED, f"could not start within {PENDING_TIMEOUT}: "

@@ -12,12 +12,16 @@ from controlplane.celery import app as celery_app
 @pytest.fixture()
 def celery_worker_thread(settings):
     """A real Celery worker consuming the default and launch queues in a thread of this process."""
-    celery_app.conf.broker_url = "memory://"
-    celery_app.conf.broker_transport_options = {}
+    # The app reads Django settings under the CELERY_ namespace, so override the namespaced keys:
+    # an in-memory broker per test, never the shared filesystem queue of earlier runs.
+    saved = {k: celery_app.conf.get(k) for k in ("CELERY_BROKER_URL", "CELERY_BROKER_TRANSPORT_OPTIONS")}
+    celery_app.conf.CELERY_BROKER_URL = "memory://"
+    celery_app.conf.CELERY_BROKER_TRANSPORT_OPTIONS = {}
     celery_app.conf.task_always_eager = False
     with start_worker(celery_app, pool="solo", perform_ping_check=False, queues=["default", "launch"],
                       shutdown_timeout=30) as worker:
         yield worker
+    celery_app.conf.update(saved)
 
 
 @pytest.fixture()
