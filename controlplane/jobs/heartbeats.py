@@ -12,7 +12,7 @@ Two stores with the same interface (``record``, ``flush``, ``overdue``, ``freshe
 Accepted trade-offs (Redis store): ``Rank.step_changed_at`` is known to one flush interval (the flush
 sees the step change, not the beat that made it; stall timeouts are minutes). ``Rank`` rows, ``Job.last_step/max_step/last_progress_at`` and so the
 dashboard and stall detection lag Redis by at most one flush interval plus the flush's own duration
-(``HEARTBEAT_FLUSH_INTERVAL_S``, 2 s by default). Heartbeat-lost detection does not lag: the watchdog
+(``HEARTBEAT_FLUSH_INTERVAL_S``, 5 s by default). Heartbeat-lost detection does not lag: the watchdog
 reads deadlines from Redis and writes the freshest state of a rank before it claims it. Redis runs
 without persistence in the reference set-up; if it restarts empty, the flushed rows remain and the
 watchdog's database scan still catches ranks that stop beating (their ``stale_at`` is in the rows).
@@ -154,20 +154,63 @@ WHERE jobs_rank.last_heartbeat_at IS NULL OR jobs_rank.last_heartbeat_at < exclu
 
 def upsert_ranks(job_id: int, states: Iterable[RankState], timeouts: Timeouts, *, now: datetime) -> int:
     """Create or move forward the ``Rank`` rows of ``states``; sorted by rank so that concurrent
-    writers lock rows in the same order (no deadlocks). Returns the number of states written."""
+    writers lock rows in the same order (no deadlocks). Returns the number of states written.
+
+    Postgres gets 12 array parameters unnested server-side (a VALUES list of 65k rows would spend
+    seconds in the driver's placeholder handling); SQLite gets a VALUES list.
+    """
     rows = sorted(states, key=lambda s: s.rank)
     if not rows:
         return 0
+    if connection.vendor == "postgresql":
+        _upsert_pg(job_id, rows, timeouts, now)
+    else:
+        _upsert_values(job_id, rows, timeouts, now)
+    return len(rows)
+
+
+def _upsert_pg(job_id: int, rows: list[RankState], timeouts: Timeouts, now: datetime) -> None:
+    sql = (f"INSERT INTO jobs_rank ({', '.join(_RANK_COLUMNS)}) "
+           "SELECT %b, r, n, p, ph, to_timestamp(a), s, to_timestamp(sc), l, st, tp, to_timestamp(d), to_timestamp(sa) "
+           "FROM unnest(%b::int[], %b::text[], %b::int[], %b::text[], %b::float8[], %b::int[], %b::float8[], "
+           "%b::float8[], %b::float8[], %b::float8[], %b::float8[], %b::float8[]) "
+           "AS t(r, n, p, ph, a, s, sc, l, st, tp, d, sa)" + _UPSERT_TAIL.replace("%s", "%b"))
+    stall_s = timeouts.stall_s
+    connection.ensure_connection()
+    # psycopg's own server-side-binding cursor on Django's connection (same transaction): lists go as
+    # binary arrays, not quoted text.
+    import psycopg
+
+    with psycopg.Cursor(connection.connection) as cur:
+        for i in range(0, len(rows), 10000):
+            part = rows[i:i + 10000]
+            cols: list[list] = [[] for _ in range(12)]
+            (r_, n_, p_, ph_, a_, s_, sc_, l_, st_, tp_, d_, sa_) = cols
+            for x in part:
+                r_.append(x.rank)
+                n_.append(x.node)
+                p_.append(x.pid)
+                ph_.append(x.phase)
+                a_.append(x.at)
+                s_.append(x.step)
+                sc_.append(x.step_since)
+                l_.append(x.loss)
+                st_.append(x.step_time_s)
+                tp_.append(x.tokens_per_s)
+                d_.append(timeouts.deadline(x.phase, x.at))
+                sa_.append(x.step_since + stall_s if x.phase == _TRAIN else None)
+            cur.execute(sql, [job_id, *cols, now])
+
+
+def _upsert_values(job_id: int, rows: list[RankState], timeouts: Timeouts, now: datetime) -> None:
     adapt = connection.ops.adapt_datetimefield_value
-    # SQLite allows 32766 variables per statement; Postgres 65535.
-    chunk = 1500 if connection.vendor == "sqlite" else 3000
     head = f"INSERT INTO jobs_rank ({', '.join(_RANK_COLUMNS)}) VALUES "
     one = "(" + ", ".join(["%s"] * len(_RANK_COLUMNS)) + ")"
     now_p = adapt(now)
     stall_s = timeouts.stall_s
     with connection.cursor() as cur:
-        for i in range(0, len(rows), chunk):
-            part = rows[i:i + chunk]
+        for i in range(0, len(rows), 1500):  # SQLite allows 32766 variables per statement
+            part = rows[i:i + 1500]
             params: list = []
             for s in part:
                 deadline = timeouts.deadline(s.phase, s.at)
@@ -177,7 +220,6 @@ def upsert_ranks(job_id: int, states: Iterable[RankState], timeouts: Timeouts, *
                            adapt(utc(s.step_since + stall_s)) if s.phase == _TRAIN else None)
             params.append(now_p)
             cur.execute(head + ", ".join([one] * len(part)) + _UPSERT_TAIL, params)
-    return len(rows)
 
 
 def update_job_progress(job_id: int, states: Iterable[RankState], *, top: tuple[int, float] | None = None,
@@ -498,7 +540,7 @@ def set_store(store: HeartbeatStore | None) -> None:
 
 
 def flush_interval_s() -> float:
-    return float(getattr(settings, "HEARTBEAT_FLUSH_INTERVAL_S", 2.0))
+    return float(getattr(settings, "HEARTBEAT_FLUSH_INTERVAL_S", 5.0))
 
 
 __all__ = ["DbHeartbeatStore", "HeartbeatStore", "RankState", "RedisHeartbeatStore", "Timeouts", "get_store",
