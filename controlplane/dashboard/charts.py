@@ -218,8 +218,8 @@ def timeline_figure(*, lanes: list[dict], spans: list[Span], faults: list[dict],
         by_layer[c["layer"]].append(c)
         shapes.append({
             "type": "rect", "xref": "x", "yref": "paper", "x0": ms(start), "x1": ms(c["first_step_at"] or now),
-            "y0": 0, "y1": 1, "fillcolor": LAYER_COLORS.get(c["layer"], "#7f7f7f"), "opacity": 0.13,
-            "line": {"width": 0}, "layer": "below",
+            "y0": 0, "y1": 1, "fillcolor": LAYER_COLORS.get(c["layer"], "#7f7f7f"), "opacity": 0.18,
+            "line": {"width": 1, "color": LAYER_COLORS.get(c["layer"], "#7f7f7f")}, "layer": "above",
         })
     labelled = sum(len(v) for v in by_layer.values()) <= MAX_LABELLED
     for layer, items in by_layer.items():
@@ -368,7 +368,7 @@ def checkpoint_figure(rows: list[dict]) -> dict:
         **BASE_LAYOUT, "height": 320, "uirevision": "ckpt",
         "title": {"text": note, "font": {"size": 12}, "x": 0.01},
         "xaxis": {"type": "date", "title": {"text": "save started (UTC)"}},
-        "yaxis": {"type": "log", "title": {"text": "seconds (log)"}},
+        "yaxis": {"type": "log", "dtick": 1, "title": {"text": "seconds (log scale)"}},
         "yaxis2": {"title": {"text": "MB/s"}, "overlaying": "y", "side": "right", "showgrid": False,
                    "rangemode": "tozero"},
         "legend": {"orientation": "h", "y": -0.25},

@@ -105,8 +105,10 @@ def rank_spans(*, end: float, is_open: bool, faults: list[dict], cycles_by_id: d
         if c is not None:
             stop = c["aborted_at"] or c["restarted_at"] or c["checkpoint_loaded_at"] or c["first_step_at"]
         else:
-            stop = f["detected_at"] if f["detected_at"] and f["detected_at"] > f["at"] else None
-        if stop is None and c is None and not is_open:
+            # No cycle: the fault lasted until it was detected; whatever followed (a lost or stalled rank)
+            # comes from the rank's own facts below.
+            if not f["detected_at"] or f["detected_at"] <= f["at"]:
+                continue
             stop = f["detected_at"]
         spans.append(Span(f["at"], stop or end, phase, f["rank"], f"{f['fault_class']} on rank {f['rank']}",
                           open=stop is None and is_open))

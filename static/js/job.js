@@ -29,9 +29,20 @@
     if (!data) return;
     const config = Object.assign({}, PLOT_CONFIG, div.dataset.chart === "timeline-data" ? { scrollZoom: true } : {});
     state.suppress += 1;
-    const done = Plotly.react(div, data.figure.data, data.figure.layout, config);
+    const done = Plotly.react(div, data.figure.data, fitLayout(div, data.figure.layout), config);
     Promise.resolve(done).finally(function () { state.suppress -= 1; });
     if (div.dataset.chart === "timeline-data") setupTimeline(div, data);
+  }
+
+  // Narrow screens: legends wrap onto more lines, so give the plot more height rather than squeeze it.
+  function fitLayout(div, layout) {
+    const w = div.clientWidth || window.innerWidth;
+    if (w >= 700) return layout;
+    const out = Object.assign({}, layout);
+    out.height = Math.round((layout.height || 300) * 1.4 + 140);
+    out.legend = Object.assign({}, layout.legend || {}, { font: { size: 9 } });
+    out.margin = Object.assign({}, layout.margin || {}, { l: Math.min((layout.margin || {}).l || 60, 96), r: 16 });
+    return out;
   }
 
   function drawAll(root) {
@@ -98,7 +109,7 @@
     fig.layout.xaxis.range = state.window.slice();
     fig.layout.datarevision = now;
     state.suppress += 1;
-    Promise.resolve(Plotly.react(t.div, fig.data, fig.layout)).finally(function () { state.suppress -= 1; });
+    Promise.resolve(Plotly.react(t.div, fig.data, fitLayout(t.div, fig.layout))).finally(function () { state.suppress -= 1; });
   }
   setInterval(followTick, 1000);
 

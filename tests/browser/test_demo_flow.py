@@ -123,6 +123,8 @@ def test_it_shows_a_fault_live_and_restarts_in_process(live_server, browser, sho
     shot(page, "05-after-restart")
 
     page.set_viewport_size({"width": 390, "height": 844})
+    page.reload()
+    page.wait_for_selector("#part-timeline .main-svg")
     page.wait_for_timeout(500)
     shot(page, "06-narrow")
     assert not errors, errors
