@@ -28,7 +28,9 @@ def operator_required(view):
     @wraps(view)
     def wrapped(request, *args, **kwargs):
         if not is_operator(request.user):
-            raise PermissionDenied("only operators can do this; ask an admin to add you to the 'operators' group")
+            raise PermissionDenied(
+                "only operators can do this; ask an admin to add you to the 'operators' group"
+            )
         return view(request, *args, **kwargs)
 
     return login_required(wrapped)
@@ -45,8 +47,18 @@ def _confirmed(request) -> bool:
 def _confirm(request, *, title: str, message: str, job: Job | None, danger: bool = False):
     fields = [(k, v) for k, v in request.POST.items() if k not in ("csrfmiddlewaretoken", "confirmed")]
     back = reverse("dashboard:job", args=[job.pk]) if job else reverse("dashboard:jobs")
-    return render(request, "dashboard/confirm.html", {"title": title, "message": message, "fields": fields,
-                                                      "action": request.path, "back": back, "danger": danger})
+    return render(
+        request,
+        "dashboard/confirm.html",
+        {
+            "title": title,
+            "message": message,
+            "fields": fields,
+            "action": request.path,
+            "back": back,
+            "danger": danger,
+        },
+    )
 
 
 def _done(request, job: Job, fn, ok: str):
@@ -74,12 +86,20 @@ def _rank(request, job: Job, *, required: bool) -> int | None:
 def job_stop(request, job_id: int):
     job = get_object_or_404(Job, pk=job_id)
     if not _confirmed(request):
-        return _confirm(request, job=job, danger=True, title=f"Stop job #{job.pk}?",
-                        message="The trainer saves a final checkpoint and exits; anything left after the grace "
-                                "period is killed.")
-    return _done(request, job, lambda: services.stop_job(job=job, requested_by=request.user,
-                                                         remote_addr=_remote_addr(request)),
-                 f"Stop requested for job #{job.pk}.")
+        return _confirm(
+            request,
+            job=job,
+            danger=True,
+            title=f"Stop job #{job.pk}?",
+            message="The trainer saves a final checkpoint and exits; anything left after the grace "
+            "period is killed.",
+        )
+    return _done(
+        request,
+        job,
+        lambda: services.stop_job(job=job, requested_by=request.user, remote_addr=_remote_addr(request)),
+        f"Stop requested for job #{job.pk}.",
+    )
 
 
 @require_POST
@@ -92,14 +112,27 @@ def job_restart(request, job_id: int):
     except services.ActionError as e:
         messages.error(request, str(e))
         return redirect("dashboard:job", job_id=job.pk)
-    what = {"in_process": "in-process (same processes, NVRx Wrapper)", "in_job": "in-job (ft_launcher restarts the "
-            "worker group)", "job": "the whole job (new processes or pods)"}.get(level, level)
+    what = {
+        "in_process": "in-process (same processes, NVRx Wrapper)",
+        "in_job": "in-job (ft_launcher restarts the worker group)",
+        "job": "the whole job (new processes or pods)",
+    }.get(level, level)
     if not _confirmed(request):
-        return _confirm(request, job=job, danger=level == "job", title=f"Restart job #{job.pk}: {what}?",
-                        message="Training rolls back to the newest durable checkpoint; steps after it are recomputed.")
-    return _done(request, job, lambda: services.restart_job(job=job, level=level, rank=rank, requested_by=request.user,
-                                                            remote_addr=_remote_addr(request)),
-                 f"Restart ({what}) requested.")
+        return _confirm(
+            request,
+            job=job,
+            danger=level == "job",
+            title=f"Restart job #{job.pk}: {what}?",
+            message="Training rolls back to the newest durable checkpoint; steps after it are recomputed.",
+        )
+    return _done(
+        request,
+        job,
+        lambda: services.restart_job(
+            job=job, level=level, rank=rank, requested_by=request.user, remote_addr=_remote_addr(request)
+        ),
+        f"Restart ({what}) requested.",
+    )
 
 
 @require_POST
@@ -113,12 +146,22 @@ def job_inject(request, job_id: int):
         messages.error(request, str(e))
         return redirect("dashboard:job", job_id=job.pk)
     if not _confirmed(request):
-        return _confirm(request, job=job, danger=True, title=f"Inject {fault} into rank {rank} of job #{job.pk}?",
-                        message="A fault drill: the trainer raises, hangs or dies on purpose, and the resilience "
-                                "layers must recover it.")
-    return _done(request, job, lambda: services.inject_fault(job=job, fault=fault, rank=rank, requested_by=request.user,
-                                                             remote_addr=_remote_addr(request)),
-                 f"Fault {fault} sent to rank {rank}.")
+        return _confirm(
+            request,
+            job=job,
+            danger=True,
+            title=f"Inject {fault} into rank {rank} of job #{job.pk}?",
+            message="A fault drill: the trainer raises, hangs or dies on purpose, and the resilience "
+            "layers must recover it.",
+        )
+    return _done(
+        request,
+        job,
+        lambda: services.inject_fault(
+            job=job, fault=fault, rank=rank, requested_by=request.user, remote_addr=_remote_addr(request)
+        ),
+        f"Fault {fault} sent to rank {rank}.",
+    )
 
 
 @require_http_methods(["GET", "POST"])
@@ -135,11 +178,20 @@ def job_new(request):
         return render(request, "dashboard/job_new.html", {"form": form, "presets": presets}, status=400)
     spec: JobSpec = form.spec
     if not _confirmed(request):
-        return _confirm(request, job=None, title=f"Start job “{form.cleaned_data['name']}”?",
-                        message=f"{spec.world_size} rank(s) on {spec.backend}, preset {spec.preset}, {spec.steps} steps"
-                                f"{', ' + str(len(spec.drills)) + ' fault drill(s)' if spec.drills else ''}.")
-    job = services.create_job(name=form.cleaned_data["name"], spec=spec, created_by=request.user,
-                              notify_webhook_url=form.cleaned_data["notify_webhook_url"] or "",
-                              notify_email=form.cleaned_data["notify_email"] or "", remote_addr=_remote_addr(request))
+        return _confirm(
+            request,
+            job=None,
+            title=f"Start job “{form.cleaned_data['name']}”?",
+            message=f"{spec.world_size} rank(s) on {spec.backend}, preset {spec.preset}, {spec.steps} steps"
+            f"{', ' + str(len(spec.drills)) + ' fault drill(s)' if spec.drills else ''}.",
+        )
+    job = services.create_job(
+        name=form.cleaned_data["name"],
+        spec=spec,
+        created_by=request.user,
+        notify_webhook_url=form.cleaned_data["notify_webhook_url"] or "",
+        notify_email=form.cleaned_data["notify_email"] or "",
+        remote_addr=_remote_addr(request),
+    )
     messages.success(request, f"Job #{job.pk} created; the launcher is starting it.")
     return redirect("dashboard:job", job_id=job.pk)

@@ -44,9 +44,17 @@ MIN_COVER = {CHECKPOINT_SAVE: 0.25}
 LAYER_COLORS = {"in_process": "#59a14f", "in_job": "#f28e2b", "job": "#e15759", "none": "#7f7f7f"}
 LAYER_NAMES = {"in_process": "in-process", "in_job": "in-job", "job": "whole job", "none": "none (stopped)"}
 FAULT_COLORS = {
-    "exception": "#d62728", "hang": "#bcbd22", "process_killed": "#8c564b", "nan_loss": "#e377c2",
-    "heartbeat_lost": "#7f7f7f", "stalled": "#17becf", "node_lost": "#1f1f1f", "oom_killed": "#9467bd",
-    "evicted": "#ff7f0e", "unschedulable": "#aec7e8", "image_pull": "#98df8a",
+    "exception": "#d62728",
+    "hang": "#bcbd22",
+    "process_killed": "#8c564b",
+    "nan_loss": "#e377c2",
+    "heartbeat_lost": "#7f7f7f",
+    "stalled": "#17becf",
+    "node_lost": "#1f1f1f",
+    "oom_killed": "#9467bd",
+    "evicted": "#ff7f0e",
+    "unschedulable": "#aec7e8",
+    "image_pull": "#98df8a",
 }
 BASE_LAYOUT = {
     "margin": {"l": 120, "r": 30, "t": 40, "b": 50},
@@ -80,8 +88,9 @@ def fmt_s(v: float | None) -> str:
 # -- downsampling ------------------------------------------------------------------------------------
 
 
-def downsample_spans(spans: list[Span], t0: float, t1: float, *, max_spans: int = MAX_SPANS,
-                     bins: int = MAX_BINS) -> list[Span]:
+def downsample_spans(
+    spans: list[Span], t0: float, t1: float, *, max_spans: int = MAX_SPANS, bins: int = MAX_BINS
+) -> list[Span]:
     """Clip spans to [t0, t1]; a lane with more than ``max_spans`` overlay spans is binned.
 
     Training is the background and is never binned. In a binned lane each bin shows the most
@@ -134,8 +143,16 @@ def downsample_spans(spans: list[Span], t0: float, t1: float, *, max_spans: int 
                 j += 1
             phase = chosen[i]
             a, b = t0 + i * width, t0 + (j + 1) * width
-            out.append(Span(a, b, phase, lane, f"{phase} (summary at {fmt_s(width)} resolution: zoom in for detail)",
-                            open=phase in open_phases and j == bins - 1))
+            out.append(
+                Span(
+                    a,
+                    b,
+                    phase,
+                    lane,
+                    f"{phase} (summary at {fmt_s(width)} resolution: zoom in for detail)",
+                    open=phase in open_phases and j == bins - 1,
+                )
+            )
             i = j + 1
     return out
 
@@ -151,7 +168,7 @@ def downsample_points(rows: list[dict], *, key: str, keep, max_points: int = MAX
     size = len(rest) / buckets
     picked = []
     for b in range(buckets):
-        chunk = rest[int(b * size): int((b + 1) * size)]
+        chunk = rest[int(b * size) : int((b + 1) * size)]
         if not chunk:
             continue
         top = max(chunk, key=lambda r: r[key] or 0.0)
@@ -166,8 +183,17 @@ def downsample_points(rows: list[dict], *, key: str, keep, max_points: int = MAX
 # -- recovery timeline ----------------------------------------------------------------------------
 
 
-def timeline_figure(*, lanes: list[dict], spans: list[Span], faults: list[dict], cycles: list[dict],
-                    commands: list[dict], t0: float, t1: float, now: float) -> dict:
+def timeline_figure(
+    *,
+    lanes: list[dict],
+    spans: list[Span],
+    faults: list[dict],
+    cycles: list[dict],
+    commands: list[dict],
+    t0: float,
+    t1: float,
+    now: float,
+) -> dict:
     """Lanes: the job lane (y=0: cycles, commands, rank-less faults) then one per rank, grouped by node.
 
     Returns ``{"figure": ..., "open": [[trace, point], ...], "now_ms": ...}``; the page extends the
@@ -198,16 +224,27 @@ def timeline_figure(*, lanes: list[dict], spans: list[Span], faults: list[dict],
             base.append(ms(s.start))
             length.append(max(1, ms(s.end) - ms(s.start)))
             dur = "running" if s.open else fmt_s(s.end - s.start)
-            text.append(f"<b>{phase}</b> · {who}<br>{s.label}<br>{hms(s.start)} → "
-                        f"{'now' if s.open else hms(s.end)} UTC ({dur})")
+            text.append(
+                f"<b>{phase}</b> · {who}<br>{s.label}<br>{hms(s.start)} → "
+                f"{'now' if s.open else hms(s.end)} UTC ({dur})"
+            )
             if s.open:
                 open_points.append([len(traces), k])
-        traces.append({
-            "type": "bar", "orientation": "h", "name": phase, "legendgroup": "phase",
-            "y": y, "base": base, "x": length, "width": width,
-            "marker": {"color": PHASE_COLORS[phase], "line": {"width": 0}},
-            "customdata": text, "hovertemplate": "%{customdata}<extra></extra>",
-        })
+        traces.append(
+            {
+                "type": "bar",
+                "orientation": "h",
+                "name": phase,
+                "legendgroup": "phase",
+                "y": y,
+                "base": base,
+                "x": length,
+                "width": width,
+                "marker": {"color": PHASE_COLORS[phase], "line": {"width": 0}},
+                "customdata": text,
+                "hovertemplate": "%{customdata}<extra></extra>",
+            }
+        )
 
     shapes: list[dict] = []
     by_layer: dict[str, list[dict]] = defaultdict(list)
@@ -216,31 +253,47 @@ def timeline_figure(*, lanes: list[dict], spans: list[Span], faults: list[dict],
         if start is None or start > t1 or (c["first_step_at"] or now) < t0:
             continue
         by_layer[c["layer"]].append(c)
-        shapes.append({
-            "type": "rect", "xref": "x", "yref": "paper", "x0": ms(start), "x1": ms(c["first_step_at"] or now),
-            "y0": 0, "y1": 1, "fillcolor": LAYER_COLORS.get(c["layer"], "#7f7f7f"), "opacity": 0.18,
-            "line": {"width": 1, "color": LAYER_COLORS.get(c["layer"], "#7f7f7f")}, "layer": "above",
-        })
+        shapes.append(
+            {
+                "type": "rect",
+                "xref": "x",
+                "yref": "paper",
+                "x0": ms(start),
+                "x1": ms(c["first_step_at"] or now),
+                "y0": 0,
+                "y1": 1,
+                "fillcolor": LAYER_COLORS.get(c["layer"], "#7f7f7f"),
+                "opacity": 0.18,
+                "line": {"width": 1, "color": LAYER_COLORS.get(c["layer"], "#7f7f7f")},
+                "layer": "above",
+            }
+        )
     labelled = sum(len(v) for v in by_layer.values()) <= MAX_LABELLED
     for layer, items in by_layer.items():
         d = [c["durations"] for c in items]
-        traces.append({
-            "type": "scatter", "mode": "markers+text" if labelled else "markers",
-            "name": f"restart · {LAYER_NAMES.get(layer, layer)}", "legendgroup": "cycle",
-            "x": [ms(c["start"]) for c in items], "y": [0] * len(items),
-            "text": [f"{LAYER_NAMES.get(layer, layer)} {fmt_s(c['recovery_s'])}" for c in items],
-            "textposition": "middle right", "textfont": {"size": 10},
-            "marker": {"symbol": "diamond", "size": 11, "color": LAYER_COLORS.get(layer, "#7f7f7f")},
-            "customdata": [
-                f"<b>restart cycle {c['key']}</b> · layer {LAYER_NAMES.get(layer, layer)}"
-                f"{'<br>' + c['reason'] if c['reason'] else ''}<br>"
-                + " · ".join(f"{k.replace('_', ' ')} {fmt_s(v)}" for k, v in dd.items())
-                + f"<br>recovery {fmt_s(c['recovery_s']) if c['first_step_at'] else 'in progress'}"
-                + (f" · steps lost {c['lost_steps']}" if c["lost_steps"] is not None else "")
-                for c, dd in zip(items, d, strict=True)
-            ],
-            "hovertemplate": "%{customdata}<extra></extra>",
-        })
+        traces.append(
+            {
+                "type": "scatter",
+                "mode": "markers+text" if labelled else "markers",
+                "name": f"restart · {LAYER_NAMES.get(layer, layer)}",
+                "legendgroup": "cycle",
+                "x": [ms(c["start"]) for c in items],
+                "y": [0] * len(items),
+                "text": [f"{LAYER_NAMES.get(layer, layer)} {fmt_s(c['recovery_s'])}" for c in items],
+                "textposition": "middle right",
+                "textfont": {"size": 10},
+                "marker": {"symbol": "diamond", "size": 11, "color": LAYER_COLORS.get(layer, "#7f7f7f")},
+                "customdata": [
+                    f"<b>restart cycle {c['key']}</b> · layer {LAYER_NAMES.get(layer, layer)}"
+                    f"{'<br>' + c['reason'] if c['reason'] else ''}<br>"
+                    + " · ".join(f"{k.replace('_', ' ')} {fmt_s(v)}" for k, v in dd.items())
+                    + f"<br>recovery {fmt_s(c['recovery_s']) if c['first_step_at'] else 'in progress'}"
+                    + (f" · steps lost {c['lost_steps']}" if c["lost_steps"] is not None else "")
+                    for c, dd in zip(items, d, strict=True)
+                ],
+                "hovertemplate": "%{customdata}<extra></extra>",
+            }
+        )
 
     visible = [f for f in faults if t0 <= f["at"] <= t1][-MAX_FAULT_MARKERS:]
     by_class: dict[str, list[dict]] = defaultdict(list)
@@ -248,41 +301,67 @@ def timeline_figure(*, lanes: list[dict], spans: list[Span], faults: list[dict],
         by_class[f["fault_class"]].append(f)
     labelled = len(visible) <= MAX_LABELLED
     for cls, items in sorted(by_class.items()):
-        traces.append({
-            "type": "scatter", "mode": "markers+text" if labelled else "markers",
-            "name": f"fault · {cls}", "legendgroup": "fault",
-            "x": [ms(f["at"]) for f in items], "y": [lane_y.get(f["rank"], 0) for f in items],
-            "text": [cls] * len(items) if labelled else None, "textposition": "top center",
-            "textfont": {"size": 10, "color": FAULT_COLORS.get(cls, "#000")},
-            "marker": {"symbol": "x", "size": 12, "color": FAULT_COLORS.get(cls, "#000"),
-                       "line": {"width": 1, "color": "#000"}},
-            "customdata": [
-                f"<b>fault: {cls}</b> · rank {f['rank'] if f['rank'] is not None else '–'}"
-                f"{' (' + f['node'] + ')' if f['node'] else ''}<br>at {hms(f['at'])} UTC · detected by "
-                f"{f['detected_by']} after {fmt_s(f['detection_s'])}<br>{(f['message'] or '')[:160]}"
-                for f in items
-            ],
-            "hovertemplate": "%{customdata}<extra></extra>",
-        })
+        traces.append(
+            {
+                "type": "scatter",
+                "mode": "markers+text" if labelled else "markers",
+                "name": f"fault · {cls}",
+                "legendgroup": "fault",
+                "x": [ms(f["at"]) for f in items],
+                "y": [lane_y.get(f["rank"], 0) for f in items],
+                "text": [cls] * len(items) if labelled else None,
+                "textposition": "top center",
+                "textfont": {"size": 10, "color": FAULT_COLORS.get(cls, "#000")},
+                "marker": {
+                    "symbol": "x",
+                    "size": 12,
+                    "color": FAULT_COLORS.get(cls, "#000"),
+                    "line": {"width": 1, "color": "#000"},
+                },
+                "customdata": [
+                    f"<b>fault: {cls}</b> · rank {f['rank'] if f['rank'] is not None else '–'}"
+                    f"{' (' + f['node'] + ')' if f['node'] else ''}<br>at {hms(f['at'])} UTC · detected by "
+                    f"{f['detected_by']} after {fmt_s(f['detection_s'])}<br>{(f['message'] or '')[:160]}"
+                    for f in items
+                ],
+                "hovertemplate": "%{customdata}<extra></extra>",
+            }
+        )
         if not labelled:
             del traces[-1]["text"]
 
     cmds = [c for c in commands if t0 <= c["issued_at"] <= t1]
     if cmds:
-        traces.append({
-            "type": "scatter", "mode": "markers", "name": "operator command", "legendgroup": "command",
-            "x": [ms(c["issued_at"]) for c in cmds], "y": [0] * len(cmds),
-            "marker": {"symbol": "triangle-down", "size": 11, "color": "#333"},
-            "customdata": [f"<b>{c['summary']}</b><br>by {c['by']} · {c['status']}" for c in cmds],
-            "hovertemplate": "%{customdata}<extra></extra>",
-        })
+        traces.append(
+            {
+                "type": "scatter",
+                "mode": "markers",
+                "name": "operator command",
+                "legendgroup": "command",
+                "x": [ms(c["issued_at"]) for c in cmds],
+                "y": [0] * len(cmds),
+                "marker": {"symbol": "triangle-down", "size": 11, "color": "#333"},
+                "customdata": [f"<b>{c['summary']}</b><br>by {c['by']} · {c['status']}" for c in cmds],
+                "hovertemplate": "%{customdata}<extra></extra>",
+            }
+        )
 
     # Node groups: a line between nodes, the node in each rank's tick label.
     prev = None
     for i, ln in enumerate(lanes):
         if prev is not None and ln["node"] != prev:
-            shapes.append({"type": "line", "xref": "paper", "yref": "y", "x0": 0, "x1": 1, "y0": i + 0.5,
-                           "y1": i + 0.5, "line": {"color": "#555", "width": 1, "dash": "dot"}})
+            shapes.append(
+                {
+                    "type": "line",
+                    "xref": "paper",
+                    "yref": "y",
+                    "x0": 0,
+                    "x1": 1,
+                    "y0": i + 0.5,
+                    "y1": i + 0.5,
+                    "line": {"color": "#555", "width": 1, "dash": "dot"},
+                }
+            )
         prev = ln["node"]
     ticktext = ["job"] + [f"r{ln['rank']} · {ln['node'] or '?'}" for ln in lanes]
     layout = {
@@ -294,11 +373,21 @@ def timeline_figure(*, lanes: list[dict], spans: list[Span], faults: list[dict],
         "uirevision": "timeline",
         "showlegend": True,
         "legend": {"orientation": "h", "x": 0, "y": 1.0, "yanchor": "bottom", "font": {"size": 11}},
-        "xaxis": {"type": "date", "range": [ms(t0), ms(t1)], "title": {"text": "time (UTC)"},
-                  "showgrid": True, "gridcolor": "#eee"},
-        "yaxis": {"tickvals": list(range(n + 1)), "ticktext": ticktext, "autorange": "reversed",
-                  "fixedrange": True, "tickfont": {"size": 10 if n > 16 else 11},
-                  "range": [n + 0.6, -0.6]},
+        "xaxis": {
+            "type": "date",
+            "range": [ms(t0), ms(t1)],
+            "title": {"text": "time (UTC)"},
+            "showgrid": True,
+            "gridcolor": "#eee",
+        },
+        "yaxis": {
+            "tickvals": list(range(n + 1)),
+            "ticktext": ticktext,
+            "autorange": "reversed",
+            "fixedrange": True,
+            "tickfont": {"size": 10 if n > 16 else 11},
+            "range": [n + 0.6, -0.6],
+        },
         "shapes": shapes,
         "margin": {"l": 130, "r": 20, "t": 60, "b": 40},
     }
@@ -320,57 +409,103 @@ def checkpoint_figure(rows: list[dict]) -> dict:
     # Hover from numbers (customdata + hovertemplate): a preformatted string per point would triple the
     # payload of a long job's chart.
     def custom(sel: list[dict]) -> list[list]:
-        return [[r["step"], r["state"], r["blocking_s"], r["durable_s"], r["mb_per_s"] and round(r["mb_per_s"], 1)]
-                for r in sel]
+        return [
+            [
+                r["step"],
+                r["state"],
+                r["blocking_s"],
+                r["durable_s"],
+                r["mb_per_s"] and round(r["mb_per_s"], 1),
+            ]
+            for r in sel
+        ]
 
     def template(mode: str) -> str:
-        return (f"<b>step %{{customdata[0]}}</b> · {mode} · %{{customdata[1]}}<br>started %{{x|%H:%M:%S}} UTC"
-                "<br>loop blocked %{customdata[2]:.3f} s · durable after %{customdata[3]:.2f} s"
-                "<br>write %{customdata[4]} MB/s<extra></extra>")
+        return (
+            f"<b>step %{{customdata[0]}}</b> · {mode} · %{{customdata[1]}}<br>started %{{x|%H:%M:%S}} UTC"
+            "<br>loop blocked %{customdata[2]:.3f} s · durable after %{customdata[3]:.2f} s"
+            "<br>write %{customdata[4]} MB/s<extra></extra>"
+        )
 
     for mode, symbol in (("sync", "square"), ("async", "circle")):
         sel = [r for r in rows if r["mode"] == mode and r["state"] in ("durable", "in_flight")]
         if not sel:
             continue
-        traces.append({
-            "type": "scatter", "mode": "markers", "name": f"blocked · {mode}",
-            "x": [ms(r["started_at"]) for r in sel], "y": [r["blocking_s"] for r in sel],
-            "marker": {"symbol": symbol, "size": 7, "color": "#4e79a7"},
-            "customdata": custom(sel), "hovertemplate": template(mode),
-        })
+        traces.append(
+            {
+                "type": "scatter",
+                "mode": "markers",
+                "name": f"blocked · {mode}",
+                "x": [ms(r["started_at"]) for r in sel],
+                "y": [r["blocking_s"] for r in sel],
+                "marker": {"symbol": symbol, "size": 7, "color": "#4e79a7"},
+                "customdata": custom(sel),
+                "hovertemplate": template(mode),
+            }
+        )
         dur = [r for r in sel if r["durable_s"] is not None]
         if dur:
-            traces.append({
-                "type": "scatter", "mode": "markers", "name": f"time to durable · {mode}",
-                "x": [ms(r["started_at"]) for r in dur], "y": [r["durable_s"] for r in dur],
-                "marker": {"symbol": symbol + "-open", "size": 8, "color": "#59a14f", "line": {"width": 2}},
-                "customdata": custom(dur), "hovertemplate": template(mode),
-            })
+            traces.append(
+                {
+                    "type": "scatter",
+                    "mode": "markers",
+                    "name": f"time to durable · {mode}",
+                    "x": [ms(r["started_at"]) for r in dur],
+                    "y": [r["durable_s"] for r in dur],
+                    "marker": {
+                        "symbol": symbol + "-open",
+                        "size": 8,
+                        "color": "#59a14f",
+                        "line": {"width": 2},
+                    },
+                    "customdata": custom(dur),
+                    "hovertemplate": template(mode),
+                }
+            )
     for state, color in (("failed", "#c0392b"), ("abandoned", "#ff7f0e")):
         sel = [r for r in rows if r["state"] == state]
         if sel:
-            traces.append({
-                "type": "scatter", "mode": "markers", "name": state,
-                "x": [ms(r["started_at"]) for r in sel], "y": [r["elapsed_s"] or r["blocking_s"] or 0.001 for r in sel],
-                "marker": {"symbol": "x", "size": 11, "color": color},
-                "customdata": custom(sel), "hovertemplate": template("save"),
-            })
+            traces.append(
+                {
+                    "type": "scatter",
+                    "mode": "markers",
+                    "name": state,
+                    "x": [ms(r["started_at"]) for r in sel],
+                    "y": [r["elapsed_s"] or r["blocking_s"] or 0.001 for r in sel],
+                    "marker": {"symbol": "x", "size": 11, "color": color},
+                    "customdata": custom(sel),
+                    "hovertemplate": template("save"),
+                }
+            )
     thr = [r for r in rows if r["mb_per_s"]]
     if thr:
-        traces.append({
-            "type": "scatter", "mode": "lines", "name": "write throughput (MB/s)", "yaxis": "y2",
-            "x": [ms(r["started_at"]) for r in thr], "y": [round(r["mb_per_s"], 2) for r in thr],
-            "line": {"color": "#bab0ac", "width": 1},
-            "hovertemplate": "%{y:.1f} MB/s<extra></extra>",
-        })
+        traces.append(
+            {
+                "type": "scatter",
+                "mode": "lines",
+                "name": "write throughput (MB/s)",
+                "yaxis": "y2",
+                "x": [ms(r["started_at"]) for r in thr],
+                "y": [round(r["mb_per_s"], 2) for r in thr],
+                "line": {"color": "#bab0ac", "width": 1},
+                "hovertemplate": "%{y:.1f} MB/s<extra></extra>",
+            }
+        )
     note = f"{total} saves" + (f", {len(rows)} shown (spikes and failures kept)" if len(rows) < total else "")
     layout = {
-        **BASE_LAYOUT, "height": 320, "uirevision": "ckpt",
+        **BASE_LAYOUT,
+        "height": 320,
+        "uirevision": "ckpt",
         "title": {"text": note, "font": {"size": 12}, "x": 0.01},
         "xaxis": {"type": "date", "title": {"text": "save started (UTC)"}},
         "yaxis": {"type": "log", "dtick": 1, "title": {"text": "seconds (log scale)"}},
-        "yaxis2": {"title": {"text": "MB/s"}, "overlaying": "y", "side": "right", "showgrid": False,
-                   "rangemode": "tozero"},
+        "yaxis2": {
+            "title": {"text": "MB/s"},
+            "overlaying": "y",
+            "side": "right",
+            "showgrid": False,
+            "rangemode": "tozero",
+        },
         "legend": {"orientation": "h", "y": -0.25},
         "margin": {"l": 60, "r": 60, "t": 30, "b": 40},
     }
@@ -391,19 +526,40 @@ def progress_figure(points: list[tuple[float, int]]) -> dict:
             rate_x.append(ms(tb))
             rate_y.append(round((sb - sa) / (tb - ta), 3))
     traces = [
-        {"type": "scatter", "mode": "lines+markers", "name": "step", "x": [ms(t) for t, _ in points],
-         "y": [s for _, s in points], "line": {"color": "#4e79a7"}, "marker": {"size": 4},
-         "hovertemplate": "step %{y}<br>%{x}<extra></extra>"},
-        {"type": "scatter", "mode": "lines", "name": "throughput (steps/s)", "x": rate_x, "y": rate_y,
-         "yaxis": "y2", "line": {"color": "#f28e2b", "shape": "hv"},
-         "hovertemplate": "%{y:.2f} steps/s<extra></extra>"},
+        {
+            "type": "scatter",
+            "mode": "lines+markers",
+            "name": "step",
+            "x": [ms(t) for t, _ in points],
+            "y": [s for _, s in points],
+            "line": {"color": "#4e79a7"},
+            "marker": {"size": 4},
+            "hovertemplate": "step %{y}<br>%{x}<extra></extra>",
+        },
+        {
+            "type": "scatter",
+            "mode": "lines",
+            "name": "throughput (steps/s)",
+            "x": rate_x,
+            "y": rate_y,
+            "yaxis": "y2",
+            "line": {"color": "#f28e2b", "shape": "hv"},
+            "hovertemplate": "%{y:.2f} steps/s<extra></extra>",
+        },
     ]
     layout = {
-        **BASE_LAYOUT, "height": 280, "uirevision": "progress",
+        **BASE_LAYOUT,
+        "height": 280,
+        "uirevision": "progress",
         "xaxis": {"type": "date", "title": {"text": "time (UTC)"}},
         "yaxis": {"title": {"text": "step"}, "rangemode": "tozero"},
-        "yaxis2": {"title": {"text": "steps/s"}, "overlaying": "y", "side": "right", "showgrid": False,
-                   "rangemode": "tozero"},
+        "yaxis2": {
+            "title": {"text": "steps/s"},
+            "overlaying": "y",
+            "side": "right",
+            "showgrid": False,
+            "rangemode": "tozero",
+        },
         "legend": {"orientation": "h", "y": -0.3},
         "margin": {"l": 60, "r": 60, "t": 10, "b": 40},
     }
@@ -414,18 +570,38 @@ def rank_metrics_figure(ranks: list[dict]) -> dict:
     """Latest loss and tokens/s per rank (heartbeats are not kept as history; see the README)."""
     x = [f"r{r['rank']}" for r in ranks]
     traces = [
-        {"type": "bar", "name": "loss (latest)", "x": x, "y": [r["loss"] for r in ranks],
-         "marker": {"color": "#e15759"}, "hovertemplate": "%{x}: loss %{y:.4f}<extra></extra>"},
-        {"type": "scatter", "mode": "markers", "name": "tokens/s (latest)", "x": x,
-         "y": [r["tokens_per_s"] for r in ranks], "yaxis": "y2", "marker": {"color": "#76b7b2", "size": 8},
-         "hovertemplate": "%{x}: %{y:,.0f} tokens/s<extra></extra>"},
+        {
+            "type": "bar",
+            "name": "loss (latest)",
+            "x": x,
+            "y": [r["loss"] for r in ranks],
+            "marker": {"color": "#e15759"},
+            "hovertemplate": "%{x}: loss %{y:.4f}<extra></extra>",
+        },
+        {
+            "type": "scatter",
+            "mode": "markers",
+            "name": "tokens/s (latest)",
+            "x": x,
+            "y": [r["tokens_per_s"] for r in ranks],
+            "yaxis": "y2",
+            "marker": {"color": "#76b7b2", "size": 8},
+            "hovertemplate": "%{x}: %{y:,.0f} tokens/s<extra></extra>",
+        },
     ]
     layout = {
-        **BASE_LAYOUT, "height": 260, "uirevision": "rankmetrics",
+        **BASE_LAYOUT,
+        "height": 260,
+        "uirevision": "rankmetrics",
         "xaxis": {"title": {"text": "rank"}, "type": "category"},
         "yaxis": {"title": {"text": "loss"}, "rangemode": "tozero"},
-        "yaxis2": {"title": {"text": "tokens/s"}, "overlaying": "y", "side": "right", "showgrid": False,
-                   "rangemode": "tozero"},
+        "yaxis2": {
+            "title": {"text": "tokens/s"},
+            "overlaying": "y",
+            "side": "right",
+            "showgrid": False,
+            "rangemode": "tozero",
+        },
         "legend": {"orientation": "h", "y": -0.3},
         "margin": {"l": 60, "r": 60, "t": 10, "b": 40},
     }

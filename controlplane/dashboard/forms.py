@@ -11,19 +11,45 @@ from dataclasses import fields as dc_fields
 
 from django import forms
 
-from controlplane.jobs.spec import BACKENDS, CHECKPOINT_MODES, DEMO_SPEC, PRESETS, JobSpec, KubernetesSpec, SpecError
+from controlplane.jobs.spec import (
+    BACKENDS,
+    CHECKPOINT_MODES,
+    DEMO_SPEC,
+    PRESETS,
+    JobSpec,
+    KubernetesSpec,
+    SpecError,
+)
 from trainer.wire import DrillFault
 
 K8S_PREFIX = "k8s_"
 
 # Presets shown as buttons above the form: name -> (label, description, spec overrides).
 PRESET_CHOICES = {
-    "demo": ("Demo", "2 ranks on this machine's CPU, with a fault drill (an exception at step 60 on rank 1, "
-                     "a SIGKILL at step 150 on rank 0)", DEMO_SPEC),
-    "cpu-small": ("Small, no drills", "2 ranks on CPU, the small model, 600 steps", JobSpec(preset="small", steps=600)),
-    "k8s-1b": ("Kubernetes 1B", "2 nodes × 8 GPUs on Kubernetes, sync-free async checkpoints",
-               JobSpec(backend="kubernetes", nodes=2, procs_per_node=8, preset="1b", steps=5000,
-                       checkpoint_interval=100, kubernetes=KubernetesSpec())),
+    "demo": (
+        "Demo",
+        "2 ranks on this machine's CPU, with a fault drill (an exception at step 60 on rank 1, "
+        "a SIGKILL at step 150 on rank 0)",
+        DEMO_SPEC,
+    ),
+    "cpu-small": (
+        "Small, no drills",
+        "2 ranks on CPU, the small model, 600 steps",
+        JobSpec(preset="small", steps=600),
+    ),
+    "k8s-1b": (
+        "Kubernetes 1B",
+        "2 nodes × 8 GPUs on Kubernetes, sync-free async checkpoints",
+        JobSpec(
+            backend="kubernetes",
+            nodes=2,
+            procs_per_node=8,
+            preset="1b",
+            steps=5000,
+            checkpoint_interval=100,
+            kubernetes=KubernetesSpec(),
+        ),
+    ),
 }
 
 
@@ -46,12 +72,20 @@ class JobForm(forms.Form):
     heartbeat_interval_s = forms.FloatField(label="Heartbeat interval (s)")
     step_timeout_s = forms.FloatField(label="Step timeout (s)")
     checkpoint_timeout_s = forms.FloatField(label="Checkpoint timeout (s)")
-    stall_timeout_s = forms.FloatField(label="Stall timeout (s)", help_text="heartbeats arrive but the step does not move")
-    storm_restarts = forms.IntegerField(min_value=1, help_text="restarts without step progress before the job is stopped")
+    stall_timeout_s = forms.FloatField(
+        label="Stall timeout (s)", help_text="heartbeats arrive but the step does not move"
+    )
+    storm_restarts = forms.IntegerField(
+        min_value=1, help_text="restarts without step progress before the job is stopped"
+    )
     drills = forms.CharField(
-        required=False, widget=forms.Textarea(attrs={"rows": 3}),
-        help_text="one per line: step:fault:rank, fault one of " + ", ".join(f.value for f in DrillFault))
-    notify_webhook_url = forms.URLField(required=False, assume_scheme="https", label="Webhook URL (notifications)")
+        required=False,
+        widget=forms.Textarea(attrs={"rows": 3}),
+        help_text="one per line: step:fault:rank, fault one of " + ", ".join(f.value for f in DrillFault),
+    )
+    notify_webhook_url = forms.URLField(
+        required=False, assume_scheme="https", label="Webhook URL (notifications)"
+    )
     notify_email = forms.EmailField(required=False, label="Email (notifications)")
     # Kubernetes
     k8s_namespace = forms.CharField(required=False, label="Namespace")
@@ -59,11 +93,18 @@ class JobForm(forms.Form):
     k8s_gpus_per_node = forms.IntegerField(required=False, min_value=0, label="GPUs per node")
     k8s_efa_per_node = forms.IntegerField(required=False, min_value=0, label="EFA devices per node")
     k8s_checkpoint_claim = forms.CharField(required=False, label="Checkpoint PVC")
-    k8s_node_selector = forms.CharField(required=False, widget=forms.Textarea(attrs={"rows": 2}),
-                                        label="Node selector", help_text="one key=value per line")
-    k8s_tolerations = forms.CharField(required=False, widget=forms.Textarea(attrs={"rows": 2}),
-                                      label="Tolerations", help_text='JSON list, e.g. [{"key": "nvidia.com/gpu", '
-                                                                     '"operator": "Exists", "effect": "NoSchedule"}]')
+    k8s_node_selector = forms.CharField(
+        required=False,
+        widget=forms.Textarea(attrs={"rows": 2}),
+        label="Node selector",
+        help_text="one key=value per line",
+    )
+    k8s_tolerations = forms.CharField(
+        required=False,
+        widget=forms.Textarea(attrs={"rows": 2}),
+        label="Tolerations",
+        help_text='JSON list, e.g. [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]',
+    )
     k8s_use_jobset = forms.BooleanField(required=False, label="Use JobSet (else an Indexed Job)")
 
     SPEC_FIELDS = tuple(f.name for f in dc_fields(JobSpec) if f.name not in ("drills", "kubernetes"))
@@ -118,7 +159,9 @@ class JobForm(forms.Form):
                     for line in (v or "").splitlines():
                         if line.strip():
                             if "=" not in line:
-                                raise SpecError({"kubernetes.node_selector": f"{line.strip()!r}: write key=value"})
+                                raise SpecError(
+                                    {"kubernetes.node_selector": f"{line.strip()!r}: write key=value"}
+                                )
                             a, b = line.split("=", 1)
                             pairs[a.strip()] = b.strip()
                     v = pairs

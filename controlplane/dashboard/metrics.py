@@ -44,7 +44,11 @@ def _allowed(request) -> tuple[bool, int, str]:
         return False, 401, "send Authorization: Bearer <UNBROKEN_METRICS_TOKEN>\n"
     if request.META.get("REMOTE_ADDR") in LOOPBACK or request.user.is_authenticated:
         return True, 200, ""
-    return False, 403, "metrics are open to loopback only; set UNBROKEN_METRICS_TOKEN to let remote scrapers in\n"
+    return (
+        False,
+        403,
+        "metrics are open to loopback only; set UNBROKEN_METRICS_TOKEN to let remote scrapers in\n",
+    )
 
 
 def _esc(v) -> str:
@@ -82,8 +86,11 @@ class Exposition:
 
 
 def render_metrics(now) -> str:
-    jobs = list(Job.objects.filter(Q(finished_at__isnull=True) | Q(finished_at__gte=now - timedelta(hours=1)))
-                .order_by("id"))
+    jobs = list(
+        Job.objects.filter(
+            Q(finished_at__isnull=True) | Q(finished_at__gte=now - timedelta(hours=1))
+        ).order_by("id")
+    )
     ids = [j.pk for j in jobs]
     out = Exposition()
 
@@ -92,32 +99,46 @@ def render_metrics(now) -> str:
         out.sample("unbroken_job_step", j.last_step, job=j.pk, name=j.name, status=j.status)
 
     out.family("unbroken_restarts_total", "counter", "Restart cycles, by the layer that handled them.")
-    for job_id, layer, n in (RestartCycle.objects.filter(job_id__in=ids).values_list("job_id", "layer")
-                             .annotate(n=Count("id")).order_by("job_id", "layer")):
+    for job_id, layer, n in (
+        RestartCycle.objects.filter(job_id__in=ids)
+        .values_list("job_id", "layer")
+        .annotate(n=Count("id"))
+        .order_by("job_id", "layer")
+    ):
         out.sample("unbroken_restarts_total", n, job=job_id, layer=layer)
 
     out.family("unbroken_faults_total", "counter", "Faults, by class.")
-    for job_id, cls, n in (Fault.objects.filter(job_id__in=ids).values_list("job_id", "fault_class")
-                           .annotate(n=Count("id")).order_by("job_id", "fault_class")):
+    for job_id, cls, n in (
+        Fault.objects.filter(job_id__in=ids)
+        .values_list("job_id", "fault_class")
+        .annotate(n=Count("id"))
+        .order_by("job_id", "fault_class")
+    ):
         out.sample("unbroken_faults_total", n, job=job_id, **{"class": cls})
 
     blocking: dict[int, list[float]] = defaultdict(list)
     durable: dict[int, list[float]] = defaultdict(list)
-    for job_id, started_at, finished_at, blocking_s, state in (
-            Checkpoint.objects.filter(job_id__in=ids)
-            .values_list("job_id", "started_at", "finished_at", "blocking_s", "state")):
+    for job_id, started_at, finished_at, blocking_s, state in Checkpoint.objects.filter(
+        job_id__in=ids
+    ).values_list("job_id", "started_at", "finished_at", "blocking_s", "state"):
         if blocking_s is not None:
             blocking[job_id].append(blocking_s)
         if state == CheckpointState.DURABLE and finished_at is not None:
             durable[job_id].append((finished_at - started_at).total_seconds())
-    out.family("unbroken_checkpoint_blocking_seconds", "histogram", "Time the training loop waited on a save.")
+    out.family(
+        "unbroken_checkpoint_blocking_seconds", "histogram", "Time the training loop waited on a save."
+    )
     for j in jobs:
-        out.histogram("unbroken_checkpoint_blocking_seconds", blocking.get(j.pk, []), BLOCKING_BUCKETS, job=j.pk)
+        out.histogram(
+            "unbroken_checkpoint_blocking_seconds", blocking.get(j.pk, []), BLOCKING_BUCKETS, job=j.pk
+        )
     out.family("unbroken_checkpoint_durable_seconds", "histogram", "Save start to durable (committed).")
     for j in jobs:
         out.histogram("unbroken_checkpoint_durable_seconds", durable.get(j.pk, []), DURABLE_BUCKETS, job=j.pk)
 
-    out.family("unbroken_goodput_ratio", "gauge", "Productive step time / wall time (definition on the job page).")
+    out.family(
+        "unbroken_goodput_ratio", "gauge", "Productive step time / wall time (definition on the job page)."
+    )
     shares = {j.pk: j.goodput(now) for j in jobs}
     for j in jobs:
         out.sample("unbroken_goodput_ratio", round(shares[j.pk]["goodput"], 6), job=j.pk)
@@ -127,10 +148,18 @@ def render_metrics(now) -> str:
             out.sample("unbroken_wall_time_share", round(shares[j.pk][part], 6), job=j.pk, part=part)
 
     out.family("unbroken_rank_heartbeat_age_seconds", "gauge", "Seconds since the rank's last heartbeat.")
-    for job_id, rank, node, hb in (Rank.objects.filter(job_id__in=ids, last_heartbeat_at__isnull=False)
-                                   .values_list("job_id", "rank", "node", "last_heartbeat_at").order_by("job_id", "rank")):
-        out.sample("unbroken_rank_heartbeat_age_seconds", round((now - hb).total_seconds(), 3), job=job_id,
-                   rank=rank, node=node)
+    for job_id, rank, node, hb in (
+        Rank.objects.filter(job_id__in=ids, last_heartbeat_at__isnull=False)
+        .values_list("job_id", "rank", "node", "last_heartbeat_at")
+        .order_by("job_id", "rank")
+    ):
+        out.sample(
+            "unbroken_rank_heartbeat_age_seconds",
+            round((now - hb).total_seconds(), 3),
+            job=job_id,
+            rank=rank,
+            node=node,
+        )
     return out.text()
 
 

@@ -30,8 +30,18 @@ from trainer.wire import CheckpointState, Layer
 
 FOLLOW_WINDOW_S = 600.0
 FAULTS_PER_PAGE = 25
-JOB_SECTIONS = ("header", "timeline", "checkpoints", "faults", "goodput", "ranks", "progress", "commands",
-                "audit", "log")
+JOB_SECTIONS = (
+    "header",
+    "timeline",
+    "checkpoints",
+    "faults",
+    "goodput",
+    "ranks",
+    "progress",
+    "commands",
+    "audit",
+    "log",
+)
 
 
 def _sig(*parts) -> str:
@@ -43,19 +53,37 @@ def _sig(*parts) -> str:
 
 def job_signatures(job: Job, now: datetime) -> dict[str, str]:
     cyc = RestartCycle.objects.filter(job=job).aggregate(
-        n=Count("id"), m=Max("id"), d=Count("detected_at"), a=Count("aborted_at"), r=Count("restarted_at"),
-        lo=Count("checkpoint_loaded_at"), f=Count("first_step_at"), rs=Count("resumed_from_step"))
+        n=Count("id"),
+        m=Max("id"),
+        d=Count("detected_at"),
+        a=Count("aborted_at"),
+        r=Count("restarted_at"),
+        lo=Count("checkpoint_loaded_at"),
+        f=Count("first_step_at"),
+        rs=Count("resumed_from_step"),
+    )
     flt = Fault.objects.filter(job=job).aggregate(n=Count("id"), m=Max("id"))
     ck = Checkpoint.objects.filter(job=job).aggregate(
-        n=Count("id"), m=Max("id"), d=Count("id", filter=Q(state=CheckpointState.DURABLE)),
-        x=Count("id", filter=Q(state__in=(CheckpointState.FAILED, CheckpointState.ABANDONED))))
+        n=Count("id"),
+        m=Max("id"),
+        d=Count("id", filter=Q(state=CheckpointState.DURABLE)),
+        x=Count("id", filter=Q(state__in=(CheckpointState.FAILED, CheckpointState.ABANDONED))),
+    )
     rk = Rank.objects.filter(job=job).aggregate(
-        hb=Max("last_heartbeat_at"), lost=Count("lost_at"), stl=Count("stalled_at"), st=Max("step_changed_at"))
+        hb=Max("last_heartbeat_at"), lost=Count("lost_at"), stl=Count("stalled_at"), st=Max("step_changed_at")
+    )
     cmd = Command.objects.filter(job=job).aggregate(
-        n=Count("id"), m=Max("id"), done=Count("acked_at"), dl=Count("delivered_at"))
+        n=Count("id"), m=Max("id"), done=Count("acked_at"), dl=Count("delivered_at")
+    )
     aud = AuditEntry.objects.filter(job=job).aggregate(m=Max("id"))
-    status = (job.status, job.status_reason, job.status_changed_at, job.attempt, job.first_step_at,
-              job.finished_at)
+    status = (
+        job.status,
+        job.status_reason,
+        job.status_changed_at,
+        job.attempt,
+        job.first_step_at,
+        job.finished_at,
+    )
     cyc_s, flt_s, ck_s = tuple(cyc.values()), tuple(flt.values()), tuple(ck.values())
     rank_health = (rk["lost"], rk["stl"])
     # Parts that move with time alone (goodput of a running job) refresh at most every 5 s.
@@ -101,23 +129,32 @@ def jobs_signature(jobs: list[Job]) -> str:
 def job_rows(jobs: list[Job], now: datetime) -> list[dict]:
     ids = [j.pk for j in jobs]
     restarts: dict[int, dict[str, int]] = {}
-    for job_id, layer, n in (RestartCycle.objects.filter(job_id__in=ids).values_list("job_id", "layer")
-                             .annotate(n=Count("id"))):
+    for job_id, layer, n in (
+        RestartCycle.objects.filter(job_id__in=ids).values_list("job_id", "layer").annotate(n=Count("id"))
+    ):
         restarts.setdefault(job_id, {})[layer] = n
-    durable = dict(Checkpoint.objects.filter(job_id__in=ids, state=CheckpointState.DURABLE)
-                   .values_list("job_id").annotate(m=Max("finished_at")))
+    durable = dict(
+        Checkpoint.objects.filter(job_id__in=ids, state=CheckpointState.DURABLE)
+        .values_list("job_id")
+        .annotate(m=Max("finished_at"))
+    )
     rows = []
     for j in jobs:
         steps = int(j.spec.get("steps") or 0)
         by_layer = restarts.get(j.pk, {})
-        rows.append({
-            "job": j,
-            "steps": steps,
-            "progress_pct": min(100, round(100 * j.last_step / steps)) if steps else 0,
-            "restarts": [(charts.LAYER_NAMES[k], by_layer.get(k, 0)) for k in (Layer.IN_PROCESS, Layer.IN_JOB, Layer.JOB)],
-            "goodput": j.goodput(now)["goodput"],
-            "last_durable_at": durable.get(j.pk),
-        })
+        rows.append(
+            {
+                "job": j,
+                "steps": steps,
+                "progress_pct": min(100, round(100 * j.last_step / steps)) if steps else 0,
+                "restarts": [
+                    (charts.LAYER_NAMES[k], by_layer.get(k, 0))
+                    for k in (Layer.IN_PROCESS, Layer.IN_JOB, Layer.JOB)
+                ],
+                "goodput": j.goodput(now)["goodput"],
+                "last_durable_at": durable.get(j.pk),
+            }
+        )
     return rows
 
 
@@ -149,23 +186,37 @@ def _cycle_dicts(job: Job, lo: datetime | None = None, hi: datetime | None = Non
         qs = qs.filter(Q(first_step_at__gte=lo) | Q(first_step_at__isnull=True))
     out = []
     for c in qs:
-        out.append({
-            "id": c.pk, "key": c.key, "layer": c.layer, "reason": c.reason,
-            "fault_at": ts(c.fault_at), "detected_at": ts(c.detected_at), "aborted_at": ts(c.aborted_at),
-            "restarted_at": ts(c.restarted_at), "checkpoint_loaded_at": ts(c.checkpoint_loaded_at),
-            "first_step_at": ts(c.first_step_at), "start": ts(c.start_at), "durations": c.durations(),
-            "recovery_s": c.recovery_s, "lost_steps": c.lost_steps,
-        })
+        out.append(
+            {
+                "id": c.pk,
+                "key": c.key,
+                "layer": c.layer,
+                "reason": c.reason,
+                "fault_at": ts(c.fault_at),
+                "detected_at": ts(c.detected_at),
+                "aborted_at": ts(c.aborted_at),
+                "restarted_at": ts(c.restarted_at),
+                "checkpoint_loaded_at": ts(c.checkpoint_loaded_at),
+                "first_step_at": ts(c.first_step_at),
+                "start": ts(c.start_at),
+                "durations": c.durations(),
+                "recovery_s": c.recovery_s,
+                "lost_steps": c.lost_steps,
+            }
+        )
     return out
 
 
-def timeline_part(job: Job, now: datetime, *, start: float | None = None, end: float | None = None,
-                  follow: bool = False) -> dict:
+def timeline_part(
+    job: Job, now: datetime, *, start: float | None = None, end: float | None = None, follow: bool = False
+) -> dict:
     job_start, job_end = job_bounds(job, now)
     is_open = job.finished_at is None
     if follow or start is None or end is None:
         if follow and is_open:
-            span = (end - start) if (start is not None and end is not None and end > start) else FOLLOW_WINDOW_S
+            span = (
+                (end - start) if (start is not None and end is not None and end > start) else FOLLOW_WINDOW_S
+            )
             t1 = job_end + 2.0
             t0 = max(job_start - 2.0, t1 - span)
         else:
@@ -179,32 +230,85 @@ def timeline_part(job: Job, now: datetime, *, start: float | None = None, end: f
     lo = datetime.fromtimestamp(t0, tz=now.tzinfo) - margin
     hi = datetime.fromtimestamp(t1, tz=now.tzinfo)
     cycles = _cycle_dicts(job, lo, hi)
-    ck = [{"started_at": a, "finished_at": b, "blocking_s": bl, "mode": m, "state": s, "step": st}
-          for a, b, bl, m, s, st in Checkpoint.objects.filter(job=job, started_at__gte=lo, started_at__lte=hi)
-          .values_list(Epoch("started_at"), Epoch("finished_at"), "blocking_s", "mode", "state", "step")]
+    ck = [
+        {"started_at": a, "finished_at": b, "blocking_s": bl, "mode": m, "state": s, "step": st}
+        for a, b, bl, m, s, st in Checkpoint.objects.filter(
+            job=job, started_at__gte=lo, started_at__lte=hi
+        ).values_list(Epoch("started_at"), Epoch("finished_at"), "blocking_s", "mode", "state", "step")
+    ]
     # Faults in view, and older ones whose span may still reach into it (open cycle, late detection).
-    in_view = Q(at__gte=lo) | Q(detected_at__gte=lo) | Q(cycle__isnull=False, cycle__first_step_at__isnull=True)
-    faults = [{"at": at, "detected_at": det, "rank": rank, "node": node, "fault_class": cls, "cycle_id": cid,
-               "detected_by": by, "message": msg, "detection_s": max(0.0, det - at)}
-              for at, det, rank, node, cls, cid, by, msg in Fault.objects.filter(in_view, job=job, at__lte=hi)
-              .order_by("at", "id").values_list(Epoch("at"), Epoch("detected_at"), "rank", "node", "fault_class",
-                                                "cycle_id", "detected_by", "message")]
-    ranks = [{"rank": ln["rank"], "health": ln["row"].health_at(now) if ln["row"] else "ok",
-              "last_heartbeat_at": ts(ln["row"].last_heartbeat_at) if ln["row"] else None,
-              "step_changed_at": ts(ln["row"].step_changed_at) if ln["row"] else None} for ln in lanes]
+    in_view = (
+        Q(at__gte=lo) | Q(detected_at__gte=lo) | Q(cycle__isnull=False, cycle__first_step_at__isnull=True)
+    )
+    faults = [
+        {
+            "at": at,
+            "detected_at": det,
+            "rank": rank,
+            "node": node,
+            "fault_class": cls,
+            "cycle_id": cid,
+            "detected_by": by,
+            "message": msg,
+            "detection_s": max(0.0, det - at),
+        }
+        for at, det, rank, node, cls, cid, by, msg in Fault.objects.filter(in_view, job=job, at__lte=hi)
+        .order_by("at", "id")
+        .values_list(
+            Epoch("at"),
+            Epoch("detected_at"),
+            "rank",
+            "node",
+            "fault_class",
+            "cycle_id",
+            "detected_by",
+            "message",
+        )
+    ]
+    ranks = [
+        {
+            "rank": ln["rank"],
+            "health": ln["row"].health_at(now) if ln["row"] else "ok",
+            "last_heartbeat_at": ts(ln["row"].last_heartbeat_at) if ln["row"] else None,
+            "step_changed_at": ts(ln["row"].step_changed_at) if ln["row"] else None,
+        }
+        for ln in lanes
+    ]
     if not job.is_active:
         ranks = []  # a finished job's ranks are stopped, not dead
     end_ts = job_end
-    spans = job_spans(start=job_start, first_step=ts(job.first_step_at), end=end_ts, is_open=is_open,
-                      cycles=cycles, checkpoints=ck)
-    spans += rank_spans(end=end_ts, is_open=is_open, faults=faults, cycles_by_id={c["id"]: c for c in cycles},
-                        ranks=ranks)
-    commands = [{"issued_at": ts(c.issued_at), "summary": command_summary(c),
-                 "by": c.issued_by.get_username() if c.issued_by else "system", "status": c.status}
-                for c in Command.objects.filter(job=job, issued_at__gte=lo, issued_at__lte=hi)
-                .select_related("issued_by")]
-    fig = charts.timeline_figure(lanes=lanes, spans=spans, faults=faults, cycles=cycles, commands=commands,
-                                 t0=t0, t1=t1, now=now.timestamp())
+    spans = job_spans(
+        start=job_start,
+        first_step=ts(job.first_step_at),
+        end=end_ts,
+        is_open=is_open,
+        cycles=cycles,
+        checkpoints=ck,
+    )
+    spans += rank_spans(
+        end=end_ts, is_open=is_open, faults=faults, cycles_by_id={c["id"]: c for c in cycles}, ranks=ranks
+    )
+    commands = [
+        {
+            "issued_at": ts(c.issued_at),
+            "summary": command_summary(c),
+            "by": c.issued_by.get_username() if c.issued_by else "system",
+            "status": c.status,
+        }
+        for c in Command.objects.filter(job=job, issued_at__gte=lo, issued_at__lte=hi).select_related(
+            "issued_by"
+        )
+    ]
+    fig = charts.timeline_figure(
+        lanes=lanes,
+        spans=spans,
+        faults=faults,
+        cycles=cycles,
+        commands=commands,
+        t0=t0,
+        t1=t1,
+        now=now.timestamp(),
+    )
     fig["follow"] = bool(follow and is_open)
     fig["start_ms"] = charts.ms(job_start)
     fig["active"] = is_open
@@ -213,7 +317,9 @@ def timeline_part(job: Job, now: datetime, *, start: float | None = None, end: f
 
 def command_summary(c: Command) -> str:
     if c.kind == "restart":
-        return f"restart ({charts.LAYER_NAMES.get(c.level, c.level)})" + (f" rank {c.rank}" if c.rank is not None else "")
+        return f"restart ({charts.LAYER_NAMES.get(c.level, c.level)})" + (
+            f" rank {c.rank}" if c.rank is not None else ""
+        )
     if c.kind == "inject_fault":
         return f"inject {c.fault} into rank {c.rank}"
     return c.kind
@@ -224,8 +330,20 @@ def _checkpoint_rows(job: Job) -> list[tuple]:
     chart and the progress chart both read them."""
     rows = getattr(job, "_dashboard_checkpoints", None)
     if rows is None:
-        rows = list(Checkpoint.objects.filter(job=job).order_by("started_at").values_list(
-            Epoch("started_at"), Epoch("finished_at"), "blocking_s", "write_s", "bytes", "mode", "state", "step"))
+        rows = list(
+            Checkpoint.objects.filter(job=job)
+            .order_by("started_at")
+            .values_list(
+                Epoch("started_at"),
+                Epoch("finished_at"),
+                "blocking_s",
+                "write_s",
+                "bytes",
+                "mode",
+                "state",
+                "step",
+            )
+        )
         job._dashboard_checkpoints = rows
     return rows
 
@@ -234,17 +352,22 @@ def checkpoint_part(job: Job) -> dict:
     rows = []
     for started_at, finished_at, blocking_s, write_s, nbytes, mode, state, step in _checkpoint_rows(job):
         elapsed = max(0.0, finished_at - started_at) if finished_at is not None else None
-        rows.append({
-            "started_at": started_at, "step": step, "mode": mode, "state": state,
-            "blocking_s": blocking_s, "elapsed_s": elapsed,
-            "durable_s": elapsed if state == CheckpointState.DURABLE else None,
-            "mb_per_s": (nbytes / write_s / 1e6) if nbytes and write_s else None,
-        })
+        rows.append(
+            {
+                "started_at": started_at,
+                "step": step,
+                "mode": mode,
+                "state": state,
+                "blocking_s": blocking_s,
+                "elapsed_s": elapsed,
+                "durable_s": elapsed if state == CheckpointState.DURABLE else None,
+                "mb_per_s": (nbytes / write_s / 1e6) if nbytes and write_s else None,
+            }
+        )
     counts = {s.value: 0 for s in CheckpointState}
     for r in rows:
         counts[r["state"]] = counts.get(r["state"], 0) + 1
-    return {"chart": charts.checkpoint_figure(rows), "counts": counts,
-            "recent": list(reversed(rows[-8:]))}
+    return {"chart": charts.checkpoint_figure(rows), "counts": counts, "recent": list(reversed(rows[-8:]))}
 
 
 FAULT_FILTERS = ("fault_class", "layer", "rank")
@@ -266,39 +389,94 @@ def faults_part(job: Job, params) -> dict:
     rows = []
     for f in page.object_list:
         c = f.cycle
-        rows.append({
-            "f": f, "layer": charts.LAYER_NAMES.get(c.layer, c.layer) if c else "",
-            "detection": charts.fmt_s(c.detection_s if c and c.detection_s is not None else f.detection_s),
-            "recovery": charts.fmt_s(c.recovery_s) if c and c.recovery_s is not None else ("in progress" if c else "–"),
-            "lost": f.lost_steps if f.lost_steps is not None else (c.lost_steps if c else None),
-        })
+        rows.append(
+            {
+                "f": f,
+                "layer": charts.LAYER_NAMES.get(c.layer, c.layer) if c else "",
+                "detection": charts.fmt_s(
+                    c.detection_s if c and c.detection_s is not None else f.detection_s
+                ),
+                "recovery": charts.fmt_s(c.recovery_s)
+                if c and c.recovery_s is not None
+                else ("in progress" if c else "–"),
+                "lost": f.lost_steps if f.lost_steps is not None else (c.lost_steps if c else None),
+            }
+        )
     classes = sorted(set(Fault.objects.filter(job=job).values_list("fault_class", flat=True).distinct()))
-    return {"page": page, "rows": rows, "chosen": chosen, "classes": classes,
-            "layers": [(v.value, charts.LAYER_NAMES[v.value]) for v in Layer], "ranks": range(job.world_size)}
+    return {
+        "page": page,
+        "rows": rows,
+        "chosen": chosen,
+        "classes": classes,
+        "layers": [(v.value, charts.LAYER_NAMES[v.value]) for v in Layer],
+        "ranks": range(job.world_size),
+    }
 
 
 GOODPUT_LABELS = {
-    "productive": "productive steps", "checkpoint_blocking": "checkpoint blocking", "recovery": "recovery",
-    "lost_work": "lost work (recomputed steps)", "startup": "startup", "idle": "idle",
+    "productive": "productive steps",
+    "checkpoint_blocking": "checkpoint blocking",
+    "recovery": "recovery",
+    "lost_work": "lost work (recomputed steps)",
+    "startup": "startup",
+    "idle": "idle",
 }
-GOODPUT_COLORS = {"productive": "#59a14f", "checkpoint_blocking": "#4e79a7", "recovery": "#f28e2b",
-                  "lost_work": "#e15759", "startup": "#bab0ac", "idle": "#d4d4d4"}
+GOODPUT_COLORS = {
+    "productive": "#59a14f",
+    "checkpoint_blocking": "#4e79a7",
+    "recovery": "#f28e2b",
+    "lost_work": "#e15759",
+    "startup": "#bab0ac",
+    "idle": "#d4d4d4",
+}
 
 
 def goodput_part(job: Job, now: datetime) -> dict:
     g = job.goodput(now)
-    parts = [{"key": k, "label": GOODPUT_LABELS[k], "share": g[k], "pct": round(100 * g[k], 1),
-              "seconds": charts.fmt_s(g[f"{k}_s"]), "color": GOODPUT_COLORS[k]} for k in PARTS]
-    fig = {"figure": {"data": [
-        {"type": "bar", "orientation": "h", "name": p["label"], "y": ["wall time"], "x": [round(100 * p["share"], 3)],
-         "marker": {"color": p["color"]}, "hovertemplate": f"{p['label']}: %{{x:.1f}}% ({p['seconds']})<extra></extra>"}
-        for p in parts], "layout": {
-            **charts.BASE_LAYOUT, "barmode": "stack", "height": 90, "uirevision": "goodput", "showlegend": False,
-            "xaxis": {"range": [0, 100], "title": {"text": "% of wall time"}, "fixedrange": True},
-            "yaxis": {"fixedrange": True, "showticklabels": False},
-            "margin": {"l": 10, "r": 10, "t": 5, "b": 40}}}}
-    return {"g": g, "parts": parts, "wall": charts.fmt_s(g["wall_s"]), "goodput_pct": round(100 * g["goodput"], 1),
-            "chart": fig}
+    parts = [
+        {
+            "key": k,
+            "label": GOODPUT_LABELS[k],
+            "share": g[k],
+            "pct": round(100 * g[k], 1),
+            "seconds": charts.fmt_s(g[f"{k}_s"]),
+            "color": GOODPUT_COLORS[k],
+        }
+        for k in PARTS
+    ]
+    fig = {
+        "figure": {
+            "data": [
+                {
+                    "type": "bar",
+                    "orientation": "h",
+                    "name": p["label"],
+                    "y": ["wall time"],
+                    "x": [round(100 * p["share"], 3)],
+                    "marker": {"color": p["color"]},
+                    "hovertemplate": f"{p['label']}: %{{x:.1f}}% ({p['seconds']})<extra></extra>",
+                }
+                for p in parts
+            ],
+            "layout": {
+                **charts.BASE_LAYOUT,
+                "barmode": "stack",
+                "height": 90,
+                "uirevision": "goodput",
+                "showlegend": False,
+                "xaxis": {"range": [0, 100], "title": {"text": "% of wall time"}, "fixedrange": True},
+                "yaxis": {"fixedrange": True, "showticklabels": False},
+                "margin": {"l": 10, "r": 10, "t": 5, "b": 40},
+            },
+        }
+    }
+    return {
+        "g": g,
+        "parts": parts,
+        "wall": charts.fmt_s(g["wall_s"]),
+        "goodput_pct": round(100 * g["goodput"], 1),
+        "chart": fig,
+    }
 
 
 def _freshest(job: Job, ranks: list[int]) -> dict:
@@ -320,14 +498,31 @@ def ranks_part(job: Job, now: datetime) -> dict:
         if r is None:
             rows.append({"rank": ln["rank"], "node": "", "health": "unknown", "age": None, "hb_at": None})
             continue
-        hb_at, phase, step, loss, step_time_s = (ts(r.last_heartbeat_at), r.phase, r.last_step, r.loss, r.step_time_s)
+        hb_at, phase, step, loss, step_time_s = (
+            ts(r.last_heartbeat_at),
+            r.phase,
+            r.last_step,
+            r.loss,
+            r.step_time_s,
+        )
         st = fresh.get(r.rank)
         if st is not None and (hb_at is None or st.at > hb_at):
             hb_at, phase, step, loss, step_time_s = st.at, st.phase, st.step, st.loss, st.step_time_s
-        rows.append({"rank": r.rank, "node": r.node, "health": r.health_at(now) if job.is_active else "stopped",
-                     "age": now.timestamp() - hb_at if hb_at else None, "hb_at": hb_at,
-                     "hb_ms": int(hb_at * 1000) if hb_at else None, "phase": phase, "step": step, "loss": loss,
-                     "step_time_s": step_time_s, "pid": r.pid})
+        rows.append(
+            {
+                "rank": r.rank,
+                "node": r.node,
+                "health": r.health_at(now) if job.is_active else "stopped",
+                "age": now.timestamp() - hb_at if hb_at else None,
+                "hb_at": hb_at,
+                "hb_ms": int(hb_at * 1000) if hb_at else None,
+                "phase": phase,
+                "step": step,
+                "loss": loss,
+                "step_time_s": step_time_s,
+                "pid": r.pid,
+            }
+        )
     return {"rows": rows, "now": now.timestamp()}
 
 
@@ -337,7 +532,8 @@ def progress_part(job: Job, now: datetime) -> dict:
         points.append((job.first_step_at.timestamp(), 1))
     points += [(r[0], r[7]) for r in _checkpoint_rows(job)]
     for fault_at, step_at_fault, first_at, resumed in RestartCycle.objects.filter(job=job).values_list(
-            Epoch("fault_at"), "step_at_fault", Epoch("first_step_at"), "resumed_from_step"):
+        Epoch("fault_at"), "step_at_fault", Epoch("first_step_at"), "resumed_from_step"
+    ):
         if fault_at is not None and step_at_fault is not None:
             points.append((fault_at, step_at_fault))
         if first_at is not None and resumed is not None:
@@ -345,10 +541,15 @@ def progress_part(job: Job, now: datetime) -> dict:
     if job.last_progress_at:
         points.append((job.last_progress_at.timestamp(), job.last_step))
     points.sort()
-    ranks = [{"rank": r.rank, "loss": r.loss, "tokens_per_s": r.tokens_per_s}
-             for r in Rank.objects.filter(job=job).order_by("rank")]
-    return {"progress": charts.progress_figure(points), "per_rank": charts.rank_metrics_figure(ranks),
-            "has_ranks": bool(ranks)}
+    ranks = [
+        {"rank": r.rank, "loss": r.loss, "tokens_per_s": r.tokens_per_s}
+        for r in Rank.objects.filter(job=job).order_by("rank")
+    ]
+    return {
+        "progress": charts.progress_figure(points),
+        "per_rank": charts.rank_metrics_figure(ranks),
+        "has_ranks": bool(ranks),
+    }
 
 
 def commands_part(job: Job) -> dict:
@@ -362,7 +563,10 @@ def audit_part(job: Job) -> dict:
 
 def log_part(job: Job) -> dict:
     if job.backend != "local":
-        return {"available": False, "why": f"log tails are kept for local jobs; see the {job.backend} backend's logs"}
+        return {
+            "available": False,
+            "why": f"log tails are kept for local jobs; see the {job.backend} backend's logs",
+        }
     try:
         from controlplane.launchers.base import get_launcher
 

@@ -30,8 +30,15 @@ HUNG = "hung"
 DEAD = "dead"
 PHASES = (TRAINING, STARTING, CHECKPOINT_SAVE, CHECKPOINT_LOAD, RESTARTING, HUNG, DEAD)
 
-DEAD_CLASSES = frozenset({FaultClass.PROCESS_KILLED, FaultClass.NODE_LOST, FaultClass.OOM_KILLED,
-                          FaultClass.EVICTED, FaultClass.HEARTBEAT_LOST})
+DEAD_CLASSES = frozenset(
+    {
+        FaultClass.PROCESS_KILLED,
+        FaultClass.NODE_LOST,
+        FaultClass.OOM_KILLED,
+        FaultClass.EVICTED,
+        FaultClass.HEARTBEAT_LOST,
+    }
+)
 HUNG_CLASSES = frozenset({FaultClass.HANG, FaultClass.STALLED})
 
 
@@ -57,14 +64,22 @@ def phase_for_fault(fault_class: str) -> str:
     return RESTARTING  # the rank raised (exception, NaN): it is already unwinding into a restart
 
 
-def job_spans(*, start: float, first_step: float | None, end: float, is_open: bool,
-              cycles: list[dict], checkpoints: list[dict]) -> list[Span]:
+def job_spans(
+    *,
+    start: float,
+    first_step: float | None,
+    end: float,
+    is_open: bool,
+    cycles: list[dict],
+    checkpoints: list[dict],
+) -> list[Span]:
     """Job-wide spans. ``cycles`` and ``checkpoints`` are dicts of unix-second floats (or None)."""
     spans: list[Span] = []
     train_from = first_step if first_step is not None else end
     if train_from > start:
-        spans.append(Span(start, train_from, STARTING, None, "start → first step",
-                          open=is_open and first_step is None))
+        spans.append(
+            Span(start, train_from, STARTING, None, "start → first step", open=is_open and first_step is None)
+        )
     if first_step is not None and end > first_step:
         spans.append(Span(first_step, end, TRAINING, None, "training", open=is_open))
     for ck in checkpoints:
@@ -73,28 +88,60 @@ def job_spans(*, start: float, first_step: float | None, end: float, is_open: bo
             blocked = ck["finished_at"] - ck["started_at"]
         if blocked is None:
             continue
-        spans.append(Span(ck["started_at"], min(end, ck["started_at"] + max(blocked, 0.0)), CHECKPOINT_SAVE, None,
-                          f"save step {ck['step']} ({ck['mode']}, {ck['state']}): loop blocked {blocked:.2f} s"))
+        spans.append(
+            Span(
+                ck["started_at"],
+                min(end, ck["started_at"] + max(blocked, 0.0)),
+                CHECKPOINT_SAVE,
+                None,
+                f"save step {ck['step']} ({ck['mode']}, {ck['state']}): loop blocked {blocked:.2f} s",
+            )
+        )
     for c in cycles:
         detected = c["detected_at"] or c["fault_at"]
         restarted, loaded, first = c["restarted_at"], c["checkpoint_loaded_at"], c["first_step_at"]
         key = c["key"]
         if detected is not None:
             stop = restarted or loaded or first
-            spans.append(Span(detected, stop or end, RESTARTING, None, f"{key}: detect → abort → restart",
-                              open=stop is None and is_open))
+            spans.append(
+                Span(
+                    detected,
+                    stop or end,
+                    RESTARTING,
+                    None,
+                    f"{key}: detect → abort → restart",
+                    open=stop is None and is_open,
+                )
+            )
         if restarted is not None:
             stop = loaded or first
-            spans.append(Span(restarted, stop or end, CHECKPOINT_LOAD, None, f"{key}: loading checkpoint",
-                              open=stop is None and is_open))
+            spans.append(
+                Span(
+                    restarted,
+                    stop or end,
+                    CHECKPOINT_LOAD,
+                    None,
+                    f"{key}: loading checkpoint",
+                    open=stop is None and is_open,
+                )
+            )
         if loaded is not None:
-            spans.append(Span(loaded, first or end, RESTARTING, None, f"{key}: first step after reload",
-                              open=first is None and is_open))
+            spans.append(
+                Span(
+                    loaded,
+                    first or end,
+                    RESTARTING,
+                    None,
+                    f"{key}: first step after reload",
+                    open=first is None and is_open,
+                )
+            )
     return [s for s in spans if s.end > s.start or s.open]
 
 
-def rank_spans(*, end: float, is_open: bool, faults: list[dict], cycles_by_id: dict[int, dict],
-               ranks: list[dict]) -> list[Span]:
+def rank_spans(
+    *, end: float, is_open: bool, faults: list[dict], cycles_by_id: dict[int, dict], ranks: list[dict]
+) -> list[Span]:
     """Per-rank spans: hung or dead, from faults and from each rank's latest facts."""
     spans: list[Span] = []
     for f in faults:
@@ -110,12 +157,30 @@ def rank_spans(*, end: float, is_open: bool, faults: list[dict], cycles_by_id: d
             if not f["detected_at"] or f["detected_at"] <= f["at"]:
                 continue
             stop = f["detected_at"]
-        spans.append(Span(f["at"], stop or end, phase, f["rank"], f"{f['fault_class']} on rank {f['rank']}",
-                          open=stop is None and is_open))
+        spans.append(
+            Span(
+                f["at"],
+                stop or end,
+                phase,
+                f["rank"],
+                f"{f['fault_class']} on rank {f['rank']}",
+                open=stop is None and is_open,
+            )
+        )
     for r in ranks:
         if r["health"] == "lost" and r["last_heartbeat_at"] is not None:
-            spans.append(Span(r["last_heartbeat_at"], end, DEAD, r["rank"], "no heartbeat since", open=is_open))
+            spans.append(
+                Span(r["last_heartbeat_at"], end, DEAD, r["rank"], "no heartbeat since", open=is_open)
+            )
         elif r["health"] == "stalled" and r["step_changed_at"] is not None:
-            spans.append(Span(r["step_changed_at"], end, HUNG, r["rank"], "heartbeats but no step progress",
-                              open=is_open))
+            spans.append(
+                Span(
+                    r["step_changed_at"],
+                    end,
+                    HUNG,
+                    r["rank"],
+                    "heartbeats but no step progress",
+                    open=is_open,
+                )
+            )
     return [s for s in spans if s.end > s.start or s.open]

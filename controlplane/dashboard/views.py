@@ -32,15 +32,23 @@ def _jobs_page(request):
 def _jobs_context(request, now):
     page = _jobs_page(request)
     jobs = list(page.object_list)
-    return {"page": page, "rows": sections.job_rows(jobs, now), "cursor": sections.jobs_signature(jobs),
-            "now": now}
+    return {
+        "page": page,
+        "rows": sections.job_rows(jobs, now),
+        "cursor": sections.jobs_signature(jobs),
+        "now": now,
+    }
 
 
 @login_required
 @require_GET
 def jobs(request):
     now = timezone.now()
-    return render(request, "dashboard/jobs.html", {**_jobs_context(request, now), "is_operator": is_operator(request.user)})
+    return render(
+        request,
+        "dashboard/jobs.html",
+        {**_jobs_context(request, now), "is_operator": is_operator(request.user)},
+    )
 
 
 @login_required
@@ -66,8 +74,15 @@ def part_context(name: str, job: Job, request, now) -> dict:
     if name == "timeline":
         follow = request.GET.get("follow", "1" if job.is_active else "0") == "1"
         start, end = _float(request.GET.get("start")), _float(request.GET.get("end"))
-        return {"timeline": sections.timeline_part(job, now, start=start / 1000 if start else None,
-                                                   end=end / 1000 if end else None, follow=follow)}
+        return {
+            "timeline": sections.timeline_part(
+                job,
+                now,
+                start=start / 1000 if start else None,
+                end=end / 1000 if end else None,
+                follow=follow,
+            )
+        }
     if name == "checkpoints":
         return {"ckpt": sections.checkpoint_part(job)}
     if name == "faults":
@@ -95,9 +110,15 @@ def _float(v):
 
 
 def _base_context(job, request, now) -> dict:
-    return {"job": job, "now": now, "is_operator": is_operator(request.user), "plotly_version": PLOTLY_VERSION,
-            "layers": [(v.value, v.value.replace("_", "-")) for v in Layer if v != Layer.NONE],
-            "drill_faults": [f.value for f in DrillFault], "rank_ids": range(job.world_size)}
+    return {
+        "job": job,
+        "now": now,
+        "is_operator": is_operator(request.user),
+        "plotly_version": PLOTLY_VERSION,
+        "layers": [(v.value, v.value.replace("_", "-")) for v in Layer if v != Layer.NONE],
+        "drill_faults": [f.value for f in DrillFault],
+        "rank_ids": range(job.world_size),
+    }
 
 
 @login_required
@@ -110,8 +131,13 @@ def job_detail(request, job_id: int):
         ctx.update(part_context(name, job, request, now))
     sigs = sections.job_signatures(job, now)
     ctx["cursor"] = ".".join(sigs[n] for n in sections.JOB_SECTIONS)
-    ctx["live_config"] = {"live": _url("dashboard:job_live", job.pk), "part": _url("dashboard:job_part", job.pk, "x"),
-                          "cursor": ctx["cursor"], "interval_ms": 500, "sections": list(sections.JOB_SECTIONS)}
+    ctx["live_config"] = {
+        "live": _url("dashboard:job_live", job.pk),
+        "part": _url("dashboard:job_part", job.pk, "x"),
+        "cursor": ctx["cursor"],
+        "interval_ms": 500,
+        "sections": list(sections.JOB_SECTIONS),
+    }
     return render(request, "dashboard/job.html", ctx)
 
 
@@ -143,5 +169,10 @@ def job_live(request, job_id: int):
     sigs = sections.job_signatures(job, now)
     old = (request.GET.get("c") or "").split(".")
     changed = [n for i, n in enumerate(sections.JOB_SECTIONS) if i >= len(old) or old[i] != sigs[n]]
-    return JsonResponse({"cursor": ".".join(sigs[n] for n in sections.JOB_SECTIONS), "changed": changed,
-                         "server_ms": int(now.timestamp() * 1000)})
+    return JsonResponse(
+        {
+            "cursor": ".".join(sigs[n] for n in sections.JOB_SECTIONS),
+            "changed": changed,
+            "server_ms": int(now.timestamp() * 1000),
+        }
+    )

@@ -29,7 +29,7 @@ from datetime import datetime
 
 from django.db.models import FloatField, Func, Max
 
-from trainer.wire import CheckpointState, CheckpointMode
+from trainer.wire import CheckpointMode, CheckpointState
 
 PARTS = ("productive", "checkpoint_blocking", "recovery", "lost_work", "startup", "idle")
 
@@ -60,8 +60,17 @@ def compute_goodput(job, now: datetime) -> dict[str, float]:
     train_from = min(max(first_step, start), end) if first_step is not None else end
     seconds["startup"] = train_from - start
 
-    cycles = list(job.cycles.values_list("fault_at", "detected_at", "aborted_at", "restarted_at",
-                                         "first_step_at", "step_at_fault", "resumed_from_step"))
+    cycles = list(
+        job.cycles.values_list(
+            "fault_at",
+            "detected_at",
+            "aborted_at",
+            "restarted_at",
+            "first_step_at",
+            "step_at_fault",
+            "resumed_from_step",
+        )
+    )
     intervals = []
     lost_steps = 0
     for fault_at, detected_at, aborted_at, restarted_at, first_at, step_at_fault, resumed_from in cycles:
@@ -74,9 +83,13 @@ def compute_goodput(job, now: datetime) -> dict[str, float]:
         if step_at_fault is not None:
             if resumed_from is not None:
                 lost_steps += max(0, step_at_fault - resumed_from)
-            else:  # still recovering: it will resume from the newest durable checkpoint at or before the fault
-                base = job.checkpoints.filter(state=CheckpointState.DURABLE, step__lte=step_at_fault).aggregate(
-                    m=Max("step"))["m"] or 0
+            else:  # still recovering: it resumes from the newest durable checkpoint at or before the fault
+                base = (
+                    job.checkpoints.filter(state=CheckpointState.DURABLE, step__lte=step_at_fault).aggregate(
+                        m=Max("step")
+                    )["m"]
+                    or 0
+                )
                 lost_steps += max(0, step_at_fault - base)
     seconds["recovery"], merged = _union_length(intervals)
     seconds["checkpoint_blocking"] = _blocking(job, train_from, end, merged)
@@ -110,11 +123,14 @@ class Epoch(Func):
     output_field = FloatField()
 
     def as_sqlite(self, compiler, connection, **extra):
-        return self.as_sql(compiler, connection, template="((julianday(%(expressions)s) - 2440587.5) * 86400.0)",
-                           **extra)
+        return self.as_sql(
+            compiler, connection, template="((julianday(%(expressions)s) - 2440587.5) * 86400.0)", **extra
+        )
 
     def as_postgresql(self, compiler, connection, **extra):
-        return self.as_sql(compiler, connection, template="EXTRACT(EPOCH FROM %(expressions)s)::float8", **extra)
+        return self.as_sql(
+            compiler, connection, template="EXTRACT(EPOCH FROM %(expressions)s)::float8", **extra
+        )
 
     def as_mysql(self, compiler, connection, **extra):
         return self.as_sql(compiler, connection, template="UNIX_TIMESTAMP(%(expressions)s)", **extra)
@@ -125,14 +141,17 @@ def _blocking(job, train_from: float, end: float, recoveries: list[tuple[float, 
     starts = [a for a, _ in recoveries]
     total = 0.0
     for t, finished, blocking_s, mode in job.checkpoints.values_list(
-            Epoch("started_at"), Epoch("finished_at"), "blocking_s", "mode"):
+        Epoch("started_at"), Epoch("finished_at"), "blocking_s", "mode"
+    ):
         if t < train_from or t >= end:
             continue
         i = bisect.bisect_right(starts, t) - 1
         if i >= 0 and t < recoveries[i][1]:
             continue  # a save begun inside a recovery is part of that recovery
         if blocking_s is None and mode == CheckpointMode.SYNC and finished is not None:
-            blocking_s = finished - t  # a sync save that did not report its blocked time blocked for all of it
+            blocking_s = (
+                finished - t
+            )  # a sync save that did not report its blocked time blocked for all of it
         total += min(max(0.0, blocking_s or 0.0), end - t)
     return total
 

@@ -62,64 +62,148 @@ def build_job(*, num_events: int, num_checkpoints: int, num_cycles: int, num_fau
     from django.contrib.auth.models import User
     from django.utils import timezone
 
-    from controlplane.jobs.models import AuditEntry, Checkpoint, Command, Event, Fault, Job, Rank, RestartCycle
+    from controlplane.jobs.models import (
+        AuditEntry,
+        Checkpoint,
+        Command,
+        Event,
+        Fault,
+        Job,
+        Rank,
+        RestartCycle,
+    )
     from controlplane.jobs.spec import JobSpec, KubernetesSpec
 
     rnd = random.Random(7)
     now = timezone.now()
     interval_s = 60.0
     age = timedelta(seconds=num_checkpoints * interval_s + 120)
-    spec = JobSpec(backend="kubernetes", nodes=8, procs_per_node=8, preset="1b", steps=10**6,
-                   checkpoint_interval=100, kubernetes=KubernetesSpec())
+    spec = JobSpec(
+        backend="kubernetes",
+        nodes=8,
+        procs_per_node=8,
+        preset="1b",
+        steps=10**6,
+        checkpoint_interval=100,
+        kubernetes=KubernetesSpec(),
+    )
     user = User.objects.create_user("bench", password="bench-password-123")
     start = now - age
-    job = Job(name="bench", spec=spec.to_dict(), backend="kubernetes", status="running", created_by=user,
-              created_at=start, started_at=start, first_step_at=start + timedelta(seconds=60),
-              last_step=num_checkpoints * 100, max_step=num_checkpoints * 100, last_progress_at=now)
+    job = Job(
+        name="bench",
+        spec=spec.to_dict(),
+        backend="kubernetes",
+        status="running",
+        created_by=user,
+        created_at=start,
+        started_at=start,
+        first_step_at=start + timedelta(seconds=60),
+        last_step=num_checkpoints * 100,
+        max_step=num_checkpoints * 100,
+        last_progress_at=now,
+    )
     token = job.issue_token()
     job.save()
-    Rank.objects.bulk_create([
-        Rank(job=job, rank=r, node=f"node-{r // 8}", phase="train", last_heartbeat_at=now, last_step=job.last_step,
-             step_changed_at=now, loss=2.0 + rnd.random(), step_time_s=0.5, tokens_per_s=40000.0,
-             stale_at=now + timedelta(seconds=30), stall_at=now + timedelta(seconds=120))
-        for r in range(RANKS)])
+    Rank.objects.bulk_create(
+        [
+            Rank(
+                job=job,
+                rank=r,
+                node=f"node-{r // 8}",
+                phase="train",
+                last_heartbeat_at=now,
+                last_step=job.last_step,
+                step_changed_at=now,
+                loss=2.0 + rnd.random(),
+                step_time_s=0.5,
+                tokens_per_s=40000.0,
+                stale_at=now + timedelta(seconds=30),
+                stall_at=now + timedelta(seconds=120),
+            )
+            for r in range(RANKS)
+        ]
+    )
     first = job.first_step_at
-    Checkpoint.objects.bulk_create([
-        Checkpoint(job=job, step=100 * (i + 1), mode="async" if i % 10 else "sync",
-                   state="durable" if i % 97 else "failed",
-                   started_at=first + timedelta(seconds=interval_s * i + 30), blocking_s=0.05 + rnd.random() / 10,
-                   finished_at=first + timedelta(seconds=interval_s * i + 30 + 2 + 4 * rnd.random()),
-                   write_s=2.0, bytes=2 * 10**9)
-        for i in range(num_checkpoints)], batch_size=1000)
+    Checkpoint.objects.bulk_create(
+        [
+            Checkpoint(
+                job=job,
+                step=100 * (i + 1),
+                mode="async" if i % 10 else "sync",
+                state="durable" if i % 97 else "failed",
+                started_at=first + timedelta(seconds=interval_s * i + 30),
+                blocking_s=0.05 + rnd.random() / 10,
+                finished_at=first + timedelta(seconds=interval_s * i + 30 + 2 + 4 * rnd.random()),
+                write_s=2.0,
+                bytes=2 * 10**9,
+            )
+            for i in range(num_checkpoints)
+        ],
+        batch_size=1000,
+    )
     layers = ["in_process", "in_process", "in_job", "job"]
     cycles = []
     for i in range(num_cycles):
         f = first + timedelta(seconds=(i + 0.5) * (age.total_seconds() - 200) / num_cycles)
-        cycles.append(RestartCycle(job=job, key=f"c{i}", layer=layers[i % 4], reason="bench", fault_at=f,
-                                   detected_at=f + timedelta(seconds=0.3), aborted_at=f + timedelta(seconds=0.5),
-                                   restarted_at=f + timedelta(seconds=1), checkpoint_loaded_at=f + timedelta(seconds=3),
-                                   first_step_at=f + timedelta(seconds=4), step_at_fault=1000 * i + 50,
-                                   resumed_from_step=1000 * i))
+        cycles.append(
+            RestartCycle(
+                job=job,
+                key=f"c{i}",
+                layer=layers[i % 4],
+                reason="bench",
+                fault_at=f,
+                detected_at=f + timedelta(seconds=0.3),
+                aborted_at=f + timedelta(seconds=0.5),
+                restarted_at=f + timedelta(seconds=1),
+                checkpoint_loaded_at=f + timedelta(seconds=3),
+                first_step_at=f + timedelta(seconds=4),
+                step_at_fault=1000 * i + 50,
+                resumed_from_step=1000 * i,
+            )
+        )
     RestartCycle.objects.bulk_create(cycles)
     cycles = list(RestartCycle.objects.filter(job=job).order_by("fault_at"))
     classes = ["exception", "hang", "process_killed", "nan_loss", "heartbeat_lost"]
-    Fault.objects.bulk_create([
-        Fault(job=job, cycle=cycles[i % num_cycles], fault_class=classes[i % 5], rank=i % RANKS,
-              node=f"node-{(i % RANKS) // 8}", detected_by="trainer", message=f"bench fault {i}",
-              at=cycles[i % num_cycles].fault_at, detected_at=cycles[i % num_cycles].detected_at,
-              source_key=f"bench-{i}")
-        for i in range(num_faults)])
-    for i in range(50):
-        cmd = Command.objects.create(job=job, kind="restart", level="in_process", issued_by=user, status="acked")
-        AuditEntry.objects.create(actor=user, actor_name="bench", action="job.restart", job=job,
-                                  detail={"command": cmd.pk})
+    Fault.objects.bulk_create(
+        [
+            Fault(
+                job=job,
+                cycle=cycles[i % num_cycles],
+                fault_class=classes[i % 5],
+                rank=i % RANKS,
+                node=f"node-{(i % RANKS) // 8}",
+                detected_by="trainer",
+                message=f"bench fault {i}",
+                at=cycles[i % num_cycles].fault_at,
+                detected_at=cycles[i % num_cycles].detected_at,
+                source_key=f"bench-{i}",
+            )
+            for i in range(num_faults)
+        ]
+    )
+    for _ in range(50):
+        cmd = Command.objects.create(
+            job=job, kind="restart", level="in_process", issued_by=user, status="acked"
+        )
+        AuditEntry.objects.create(
+            actor=user, actor_name="bench", action="job.restart", job=job, detail={"command": cmd.pk}
+        )
     kinds = ["checkpoint", "cycle", "fault", "rank_started", "command_ack"]
     span = age.total_seconds()
     batch = []
     for i in range(num_events):
-        batch.append(Event(job=job, event_id=f"e{i}", kind=kinds[i % 5], rank=i % RANKS,
-                           at=start + timedelta(seconds=span * i / num_events), received_at=now,
-                           source=f"rank:{i % RANKS}", data={"step": i, "n": i}))
+        batch.append(
+            Event(
+                job=job,
+                event_id=f"e{i}",
+                kind=kinds[i % 5],
+                rank=i % RANKS,
+                at=start + timedelta(seconds=span * i / num_events),
+                received_at=now,
+                source=f"rank:{i % RANKS}",
+                data={"step": i, "n": i},
+            )
+        )
         if len(batch) == 5000:
             Event.objects.bulk_create(batch)
             batch = []
@@ -142,8 +226,10 @@ def measure_page(job, user, *, requests: int) -> tuple[float, list[float]]:
         if i:  # the first request warms caches (templates, plotly, imports)
             times.append(dt)
             cpu.append(dp)
-    print(f"job page: {len(resp.content)} bytes; cpu ms median {statistics.median(cpu):.0f}; "
-          f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
+    print(
+        f"job page: {len(resp.content)} bytes; cpu ms median {statistics.median(cpu):.0f}; "
+        f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores"
+    )
     return statistics.median(times), times
 
 
@@ -172,8 +258,26 @@ class PageClient:
     def __init__(self, base: str, job_id: int, sessionid: str):
         self.base, self.job_id = base, job_id
         jar = http.cookiejar.CookieJar()
-        jar.set_cookie(http.cookiejar.Cookie(0, "sessionid", sessionid, None, False, "127.0.0.1", False, False, "/",
-                                             True, False, None, False, None, None, {}))
+        jar.set_cookie(
+            http.cookiejar.Cookie(
+                0,
+                "sessionid",
+                sessionid,
+                None,
+                False,
+                "127.0.0.1",
+                False,
+                False,
+                "/",
+                True,
+                False,
+                None,
+                False,
+                None,
+                None,
+                {},
+            )
+        )
         self.opener = urllib.request.build_opener(urllib.request.HTTPCookieProcessor(jar))
         self.cursor = ""
         self.seen: dict[str, float] = {}
@@ -208,8 +312,12 @@ class PageClient:
 
 
 def post(base: str, job_id: int, token: str, body: dict) -> None:
-    req = urllib.request.Request(f"{base}/api/v1/jobs/{job_id}/ingest", data=json.dumps(body).encode(), method="POST",
-                                 headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"})
+    req = urllib.request.Request(
+        f"{base}/api/v1/jobs/{job_id}/ingest",
+        data=json.dumps(body).encode(),
+        method="POST",
+        headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"},
+    )
     with urllib.request.urlopen(req, timeout=10) as r:
         assert r.status == 200, r.status
 
@@ -225,8 +333,24 @@ def measure_live(job, token: str, user, *, faults: int, app: str) -> list[float]
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    server = subprocess.Popen([sys.executable, "-m", "uvicorn", app, "--host", "127.0.0.1", "--port", str(port),
-                               "--no-access-log", "--log-level", "warning"], cwd=ROOT, env=env, start_new_session=True)
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "uvicorn",
+            app,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--no-access-log",
+            "--log-level",
+            "warning",
+        ],
+        cwd=ROOT,
+        env=env,
+        start_new_session=True,
+    )
     try:
         wait_up(base + "/login/")
         stop = threading.Event()
@@ -236,9 +360,29 @@ def measure_live(job, token: str, user, *, faults: int, app: str) -> list[float]
             while not stop.is_set():
                 step += 1
                 now = time.time()
-                post(base, job.pk, token, {"v": 1, "sent_at": now, "source": "bench", "events": [], "heartbeats": [
-                    {"rank": r, "step": step, "phase": "train", "at": now, "loss": 2.0, "step_time_s": 0.5,
-                     "node": f"node-{r // 8}"} for r in range(RANKS)]})
+                post(
+                    base,
+                    job.pk,
+                    token,
+                    {
+                        "v": 1,
+                        "sent_at": now,
+                        "source": "bench",
+                        "events": [],
+                        "heartbeats": [
+                            {
+                                "rank": r,
+                                "step": step,
+                                "phase": "train",
+                                "at": now,
+                                "loss": 2.0,
+                                "step_time_s": 0.5,
+                                "node": f"node-{r // 8}",
+                            }
+                            for r in range(RANKS)
+                        ],
+                    },
+                )
                 stop.wait(1.0)
 
         beater = threading.Thread(target=heartbeats, daemon=True)
@@ -252,9 +396,26 @@ def measure_live(job, token: str, user, *, faults: int, app: str) -> list[float]
         accepted: dict[str, float] = {}
         for i, marker in enumerate(markers):
             now = time.time()
-            post(base, job.pk, token, {"v": 1, "sent_at": now, "source": "bench", "heartbeats": [], "events": [
-                {"id": f"live-{i}", "kind": "fault", "at": now, "rank": i % RANKS,
-                 "data": {"fault": "exception", "message": marker, "detected_by": "in_process"}}]})
+            post(
+                base,
+                job.pk,
+                token,
+                {
+                    "v": 1,
+                    "sent_at": now,
+                    "source": "bench",
+                    "heartbeats": [],
+                    "events": [
+                        {
+                            "id": f"live-{i}",
+                            "kind": "fault",
+                            "at": now,
+                            "rank": i % RANKS,
+                            "data": {"fault": "exception", "message": marker, "detected_by": "in_process"},
+                        }
+                    ],
+                },
+            )
             accepted[marker] = time.monotonic()
             time.sleep(rnd.uniform(0.4, 1.2))
         deadline = time.monotonic() + 5
@@ -285,10 +446,13 @@ def main() -> None:
     args = ap.parse_args()
     setup_django()
     t = time.perf_counter()
-    job, token, user = build_job(num_events=args.events, num_checkpoints=args.checkpoints, num_cycles=100,
-                                 num_faults=150)
-    print(f"built job #{job.pk}: {args.events} events, {args.checkpoints} checkpoints, {RANKS} ranks "
-          f"in {time.perf_counter() - t:.1f} s")
+    job, token, user = build_job(
+        num_events=args.events, num_checkpoints=args.checkpoints, num_cycles=100, num_faults=150
+    )
+    print(
+        f"built job #{job.pk}: {args.events} events, {args.checkpoints} checkpoints, {RANKS} ranks "
+        f"in {time.perf_counter() - t:.1f} s"
+    )
     page_ms, times = measure_page(job, user, requests=args.requests)
     print("job page ms:", " ".join(f"{x:.0f}" for x in times))
     lat = sorted(measure_live(job, token, user, faults=args.faults, app=args.app))

@@ -20,8 +20,10 @@ def browser():
     # Playwright's sync API runs an event loop in this thread; the test's own ORM calls are safe here.
     os.environ["DJANGO_ALLOW_ASYNC_UNSAFE"] = "true"
     with sync_playwright() as p:
-        b = p.chromium.launch(executable_path=CHROMIUM,
-                              args=["--no-sandbox", "--headless", "--disable-gpu", "--disable-background-networking"])
+        b = p.chromium.launch(
+            executable_path=CHROMIUM,
+            args=["--no-sandbox", "--headless", "--disable-gpu", "--disable-background-networking"],
+        )
         try:
             yield b
         finally:

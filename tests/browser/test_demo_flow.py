@@ -26,10 +26,21 @@ PASSWORD = "demo-operator-password"
 
 
 def post_batch(base_url: str, job: Job, token: str, *, events=(), heartbeats=()) -> dict:
-    body = json.dumps({"v": 1, "sent_at": time.time(), "source": "browser-test", "events": list(events),
-                       "heartbeats": list(heartbeats)}).encode()
-    req = urllib.request.Request(f"{base_url}/api/v1/jobs/{job.pk}/ingest", data=body, method="POST",
-                                 headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"})
+    body = json.dumps(
+        {
+            "v": 1,
+            "sent_at": time.time(),
+            "source": "browser-test",
+            "events": list(events),
+            "heartbeats": list(heartbeats),
+        }
+    ).encode()
+    req = urllib.request.Request(
+        f"{base_url}/api/v1/jobs/{job.pk}/ingest",
+        data=body,
+        method="POST",
+        headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"},
+    )
     with urllib.request.urlopen(req, timeout=10) as resp:
         out = json.loads(resp.read())
     hb_store.get_store().flush()  # the Redis store writes Rank rows on its flush (a no-op for the database)
@@ -38,23 +49,60 @@ def post_batch(base_url: str, job: Job, token: str, *, events=(), heartbeats=())
 
 def beats(step: int) -> list[dict]:
     now = time.time()
-    return [{"rank": r, "step": step, "phase": "train", "at": now, "loss": 5.0 - step / 100, "step_time_s": 0.2,
-             "tokens_per_s": 4000.0, "node": "localhost", "pid": 1000 + r} for r in range(2)]
+    return [
+        {
+            "rank": r,
+            "step": step,
+            "phase": "train",
+            "at": now,
+            "loss": 5.0 - step / 100,
+            "step_time_s": 0.2,
+            "tokens_per_s": 4000.0,
+            "node": "localhost",
+            "pid": 1000 + r,
+        }
+        for r in range(2)
+    ]
 
 
 def test_it_shows_a_fault_live_and_restarts_in_process(live_server, browser, shot):
     user = User.objects.create_user("operator", password=PASSWORD)
     user.groups.add(Group.objects.get_or_create(name=OPERATORS_GROUP)[0])
     now = timezone.now()
-    job = Job(name="demo", spec=DEMO_SPEC.to_dict(), backend="local", status="running", started_at=now,
-              first_step_at=now, created_by=user)
+    job = Job(
+        name="demo",
+        spec=DEMO_SPEC.to_dict(),
+        backend="local",
+        status="running",
+        started_at=now,
+        first_step_at=now,
+        created_by=user,
+    )
     token = job.issue_token()
     job.save()
     base = live_server.url
-    post_batch(base, job, token, heartbeats=beats(40), events=[
-        {"id": "ck-40", "kind": "checkpoint", "at": time.time(), "rank": 0,
-         "data": {"step": 40, "mode": "async", "state": "durable", "blocking_s": 0.05, "write_s": 0.4,
-                  "bytes": 2_000_000}}])
+    post_batch(
+        base,
+        job,
+        token,
+        heartbeats=beats(40),
+        events=[
+            {
+                "id": "ck-40",
+                "kind": "checkpoint",
+                "at": time.time(),
+                "rank": 0,
+                "data": {
+                    "step": 40,
+                    "mode": "async",
+                    "state": "durable",
+                    "blocking_s": 0.05,
+                    "write_s": 0.4,
+                    "bytes": 2_000_000,
+                },
+            }
+        ],
+    )
     assert Rank.objects.filter(job=job).count() == 2
 
     page = browser.new_page(viewport={"width": 1280, "height": 900})
@@ -77,28 +125,80 @@ def test_it_shows_a_fault_live_and_restarts_in_process(live_server, browser, sho
     t = time.time()
     cycle = "a0-ij0-ip1"
     sent = time.monotonic()
-    post_batch(base, job, token, heartbeats=beats(55), events=[
-        {"id": "f-1", "kind": "fault", "at": t, "rank": 1,
-         "data": {"fault": "exception", "cycle": cycle, "message": "drill: exception at step 55",
-                  "detected_by": "in_process", "step": 55}},
-        {"id": "c-1", "kind": "cycle", "at": t, "rank": 1,
-         "data": {"cycle": cycle, "mark": "fault_at", "layer": "in_process", "step": 55}},
-        {"id": "c-2", "kind": "cycle", "at": t + 0.2, "rank": 1,
-         "data": {"cycle": cycle, "mark": "detected_at", "layer": "in_process"}}])
+    post_batch(
+        base,
+        job,
+        token,
+        heartbeats=beats(55),
+        events=[
+            {
+                "id": "f-1",
+                "kind": "fault",
+                "at": t,
+                "rank": 1,
+                "data": {
+                    "fault": "exception",
+                    "cycle": cycle,
+                    "message": "drill: exception at step 55",
+                    "detected_by": "in_process",
+                    "step": 55,
+                },
+            },
+            {
+                "id": "c-1",
+                "kind": "cycle",
+                "at": t,
+                "rank": 1,
+                "data": {"cycle": cycle, "mark": "fault_at", "layer": "in_process", "step": 55},
+            },
+            {
+                "id": "c-2",
+                "kind": "cycle",
+                "at": t + 0.2,
+                "rank": 1,
+                "data": {"cycle": cycle, "mark": "detected_at", "layer": "in_process"},
+            },
+        ],
+    )
     page.locator("#part-timeline").get_by_text("fault · exception").first.wait_for(timeout=5000)
     shown_after = time.monotonic() - sent
-    page.locator("[data-testid=fault-table]").get_by_text("drill: exception at step 55").wait_for(timeout=5000)
+    page.locator("[data-testid=fault-table]").get_by_text("drill: exception at step 55").wait_for(
+        timeout=5000
+    )
     assert page.evaluate("performance.getEntriesByType('navigation').length") == 1  # no reload happened
     shot(page, "03-fault-live")
     assert shown_after < 3.0, f"the fault took {shown_after:.2f} s to show"
 
     # Recovery completes; the band gets its durations.
-    post_batch(base, job, token, heartbeats=beats(41), events=[
-        {"id": f"c-{i}", "kind": "cycle", "at": t + off, "rank": 1,
-         "data": {"cycle": cycle, "mark": mark, "layer": "in_process", **({"step": 40} if mark in (
-             "restarted_at", "checkpoint_loaded_at") else {})}}
-        for i, (mark, off) in enumerate([("aborted_at", 0.3), ("restarted_at", 0.5),
-                                         ("checkpoint_loaded_at", 0.9), ("first_step_at", 1.2)], start=3)])
+    post_batch(
+        base,
+        job,
+        token,
+        heartbeats=beats(41),
+        events=[
+            {
+                "id": f"c-{i}",
+                "kind": "cycle",
+                "at": t + off,
+                "rank": 1,
+                "data": {
+                    "cycle": cycle,
+                    "mark": mark,
+                    "layer": "in_process",
+                    **({"step": 40} if mark in ("restarted_at", "checkpoint_loaded_at") else {}),
+                },
+            }
+            for i, (mark, off) in enumerate(
+                [
+                    ("aborted_at", 0.3),
+                    ("restarted_at", 0.5),
+                    ("checkpoint_loaded_at", 0.9),
+                    ("first_step_at", 1.2),
+                ],
+                start=3,
+            )
+        ],
+    )
     page.locator("#part-timeline").get_by_text("in-process").first.wait_for(timeout=5000)
 
     # A manual in-process restart, confirmed in the dialog.
@@ -115,9 +215,21 @@ def test_it_shows_a_fault_live_and_restarts_in_process(live_server, browser, sho
     assert (cmd.kind, cmd.level, cmd.issued_by.username) == ("restart", "in_process", "operator")
 
     # The trainer acknowledges it; the status changes on the open page.
-    post_batch(base, job, token, heartbeats=beats(42), events=[
-        {"id": "ack-1", "kind": "command_ack", "at": time.time(), "rank": 0,
-         "data": {"command_id": cmd.pk, "ok": True, "detail": "restarting in-process"}}])
+    post_batch(
+        base,
+        job,
+        token,
+        heartbeats=beats(42),
+        events=[
+            {
+                "id": "ack-1",
+                "kind": "command_ack",
+                "at": time.time(),
+                "rank": 0,
+                "data": {"command_id": cmd.pk, "ok": True, "detail": "restarting in-process"},
+            }
+        ],
+    )
     page.locator("[data-testid=commands] .cmd-acked").wait_for(timeout=5000)
     page.wait_for_selector("#part-timeline .main-svg")
     shot(page, "05-after-restart")

@@ -22,13 +22,23 @@ def make_user(username: str = "viewer", *, operator: bool = False) -> User:
     return user
 
 
-def make_job(*, now: datetime | None = None, age_s: float = 600.0, status: str = "running", **overrides) -> Job:
+def make_job(
+    *, now: datetime | None = None, age_s: float = 600.0, status: str = "running", **overrides
+) -> Job:
     now = now or timezone.now()
     spec = overrides.pop("spec", None) or JobSpec(procs_per_node=2, steps=400).to_dict()
     started = now - timedelta(seconds=age_s)
-    fields = {"name": "test", "spec": spec, "backend": spec.get("backend", "local"), "status": status,
-              "created_at": started, "started_at": started, "first_step_at": started + timedelta(seconds=10),
-              "last_step": 100, "last_progress_at": now}
+    fields = {
+        "name": "test",
+        "spec": spec,
+        "backend": spec.get("backend", "local"),
+        "status": status,
+        "created_at": started,
+        "started_at": started,
+        "first_step_at": started + timedelta(seconds=10),
+        "last_step": 100,
+        "last_progress_at": now,
+    }
     fields.update(overrides)
     job = Job(**fields)
     job.issue_token()
@@ -36,17 +46,37 @@ def make_job(*, now: datetime | None = None, age_s: float = 600.0, status: str =
     return job
 
 
-def make_rank(job: Job, rank: int, *, now: datetime, node: str = "node-a", hb_age_s: float = 0.5, **kw) -> Rank:
+def make_rank(
+    job: Job, rank: int, *, now: datetime, node: str = "node-a", hb_age_s: float = 0.5, **kw
+) -> Rank:
     hb = now - timedelta(seconds=hb_age_s)
-    fields = {"node": node, "phase": "train", "last_heartbeat_at": hb, "last_step": job.last_step,
-              "step_changed_at": hb, "loss": 2.5, "step_time_s": 0.5, "tokens_per_s": 1000.0,
-              "stale_at": hb + timedelta(seconds=30), "stall_at": hb + timedelta(seconds=120)}
+    fields = {
+        "node": node,
+        "phase": "train",
+        "last_heartbeat_at": hb,
+        "last_step": job.last_step,
+        "step_changed_at": hb,
+        "loss": 2.5,
+        "step_time_s": 0.5,
+        "tokens_per_s": 1000.0,
+        "stale_at": hb + timedelta(seconds=30),
+        "stall_at": hb + timedelta(seconds=120),
+    }
     fields.update(kw)
     return Rank.objects.create(job=job, rank=rank, **fields)
 
 
-def make_cycle(job: Job, key: str, *, fault_at: datetime, layer: str = "in_process", marks=(0.2, 0.3, 0.5, 1.0, 1.5),
-               step_at_fault: int | None = 55, resumed_from_step: int | None = 40, **kw) -> RestartCycle:
+def make_cycle(
+    job: Job,
+    key: str,
+    *,
+    fault_at: datetime,
+    layer: str = "in_process",
+    marks=(0.2, 0.3, 0.5, 1.0, 1.5),
+    step_at_fault: int | None = 55,
+    resumed_from_step: int | None = 40,
+    **kw,
+) -> RestartCycle:
     """``marks``: seconds after the fault of detected, aborted, restarted, checkpoint_loaded, first_step
     (None leaves that mark and all later ones open)."""
     names = ["detected_at", "aborted_at", "restarted_at", "checkpoint_loaded_at", "first_step_at"]
@@ -58,24 +88,66 @@ def make_cycle(job: Job, key: str, *, fault_at: datetime, layer: str = "in_proce
     if "first_step_at" not in fields:
         resumed_from_step = None
     fields.update(kw)
-    return RestartCycle.objects.create(job=job, key=key, layer=layer, fault_at=fault_at, step_at_fault=step_at_fault,
-                                       resumed_from_step=resumed_from_step, reason="test", **fields)
+    return RestartCycle.objects.create(
+        job=job,
+        key=key,
+        layer=layer,
+        fault_at=fault_at,
+        step_at_fault=step_at_fault,
+        resumed_from_step=resumed_from_step,
+        reason="test",
+        **fields,
+    )
 
 
-def make_fault(job: Job, *, at: datetime, rank: int | None = 0, fault_class: str = "exception",
-               cycle: RestartCycle | None = None, detection_s: float = 0.2, key: str | None = None, **kw) -> Fault:
-    return Fault.objects.create(job=job, cycle=cycle, fault_class=fault_class, rank=rank, node="node-a",
-                                detected_by=kw.pop("detected_by", "in_process"), message=kw.pop("message", "boom"),
-                                at=at, detected_at=at + timedelta(seconds=detection_s),
-                                source_key=key or f"f-{at.timestamp()}-{rank}-{fault_class}", **kw)
+def make_fault(
+    job: Job,
+    *,
+    at: datetime,
+    rank: int | None = 0,
+    fault_class: str = "exception",
+    cycle: RestartCycle | None = None,
+    detection_s: float = 0.2,
+    key: str | None = None,
+    **kw,
+) -> Fault:
+    return Fault.objects.create(
+        job=job,
+        cycle=cycle,
+        fault_class=fault_class,
+        rank=rank,
+        node="node-a",
+        detected_by=kw.pop("detected_by", "in_process"),
+        message=kw.pop("message", "boom"),
+        at=at,
+        detected_at=at + timedelta(seconds=detection_s),
+        source_key=key or f"f-{at.timestamp()}-{rank}-{fault_class}",
+        **kw,
+    )
 
 
-def make_checkpoint(job: Job, step: int, *, started_at: datetime, blocking_s: float = 0.1, durable_s: float | None = 2.0,
-                    state: str = "durable", mode: str = "async", nbytes: int = 50_000_000) -> Checkpoint:
+def make_checkpoint(
+    job: Job,
+    step: int,
+    *,
+    started_at: datetime,
+    blocking_s: float = 0.1,
+    durable_s: float | None = 2.0,
+    state: str = "durable",
+    mode: str = "async",
+    nbytes: int = 50_000_000,
+) -> Checkpoint:
     return Checkpoint.objects.create(
-        job=job, step=step, mode=mode, state=state, started_at=started_at, blocking_s=blocking_s,
+        job=job,
+        step=step,
+        mode=mode,
+        state=state,
+        started_at=started_at,
+        blocking_s=blocking_s,
         finished_at=started_at + timedelta(seconds=durable_s) if durable_s is not None else None,
-        write_s=(durable_s or 1.0) * 0.8, bytes=nbytes)
+        write_s=(durable_s or 1.0) * 0.8,
+        bytes=nbytes,
+    )
 
 
 def make_command(job: Job, *, kind: str = "restart", level: str = "in_process", user=None, **kw) -> Command:
@@ -94,6 +166,12 @@ def populated_job(now: datetime, *, ranks: int = 2) -> Job:
     fault_at = start + timedelta(seconds=300)
     cycle = make_cycle(job, "a0-ij0-ip1", fault_at=fault_at)
     make_fault(job, at=fault_at, rank=1, cycle=cycle)
-    make_fault(job, at=start + timedelta(seconds=400), rank=0, fault_class="hang", detected_by="watchdog",
-               detection_s=20.0)
+    make_fault(
+        job,
+        at=start + timedelta(seconds=400),
+        rank=0,
+        fault_class="hang",
+        detected_by="watchdog",
+        detection_s=20.0,
+    )
     return job

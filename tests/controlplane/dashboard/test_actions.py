@@ -30,9 +30,11 @@ def login(username, *, operator=False, csrf=False) -> Client:
 @pytest.fixture(autouse=True)
 def _no_celery():
     """The services enqueue launcher tasks on commit; no broker is needed to test the page."""
-    with mock.patch("controlplane.launchers.tasks.stop.apply_async"), \
-         mock.patch("controlplane.launchers.tasks.restart.delay"), \
-         mock.patch("controlplane.launchers.tasks.launch.delay"):
+    with (
+        mock.patch("controlplane.launchers.tasks.stop.apply_async"),
+        mock.patch("controlplane.launchers.tasks.restart.delay"),
+        mock.patch("controlplane.launchers.tasks.launch.delay"),
+    ):
         yield
 
 
@@ -86,8 +88,10 @@ def test_it_accepts_an_action_with_the_csrf_token_from_the_page():
     c = login("op", operator=True, csrf=True)
     c.get(reverse("dashboard:job", args=[job.pk]))
     token = c.cookies["csrftoken"].value
-    resp = c.post(reverse("dashboard:job_restart", args=[job.pk]),
-                  {"level": "in_process", "confirmed": "yes", "csrfmiddlewaretoken": token})
+    resp = c.post(
+        reverse("dashboard:job_restart", args=[job.pk]),
+        {"level": "in_process", "confirmed": "yes", "csrfmiddlewaretoken": token},
+    )
     assert resp.status_code == 302
     assert Command.objects.filter(job=job, kind="restart", level="in_process").count() == 1
 
@@ -108,7 +112,9 @@ def test_it_asks_for_confirmation_before_acting(name, data):
 def test_it_restarts_in_process_and_audits_it():
     job = make_job()
     c = login("op", operator=True)
-    resp = c.post(reverse("dashboard:job_restart", args=[job.pk]), {"level": "in_process", "confirmed": "yes"})
+    resp = c.post(
+        reverse("dashboard:job_restart", args=[job.pk]), {"level": "in_process", "confirmed": "yes"}
+    )
     assert resp.status_code == 302 and resp["Location"] == reverse("dashboard:job", args=[job.pk])
     cmd = Command.objects.get(job=job)
     assert (cmd.kind, cmd.level, cmd.issued_by.username) == ("restart", "in_process", "op")
@@ -128,7 +134,9 @@ def test_it_restarts_the_whole_job_through_the_launcher():
 def test_it_injects_a_fault_into_a_rank():
     job = make_job()
     c = login("op", operator=True)
-    c.post(reverse("dashboard:job_inject", args=[job.pk]), {"fault": "sigkill", "rank": "1", "confirmed": "yes"})
+    c.post(
+        reverse("dashboard:job_inject", args=[job.pk]), {"fault": "sigkill", "rank": "1", "confirmed": "yes"}
+    )
     cmd = Command.objects.get(job=job)
     assert (cmd.kind, cmd.fault, cmd.rank) == ("inject_fault", "sigkill", 1)
 
@@ -144,8 +152,11 @@ def test_it_stops_a_job():
 def test_it_shows_why_an_action_was_refused():
     job = make_job(status="succeeded", finished_at=timezone.now())
     c = login("op", operator=True)
-    resp = c.post(reverse("dashboard:job_inject", args=[job.pk]), {"fault": "hang", "rank": "0", "confirmed": "yes"},
-                  follow=True)
+    resp = c.post(
+        reverse("dashboard:job_inject", args=[job.pk]),
+        {"fault": "hang", "rank": "0", "confirmed": "yes"},
+        follow=True,
+    )
     assert "only a running job takes commands" in resp.content.decode()
     assert not Command.objects.exists()
 
@@ -153,8 +164,11 @@ def test_it_shows_why_an_action_was_refused():
 def test_it_rejects_a_rank_outside_the_job():
     job = make_job()
     c = login("op", operator=True)
-    resp = c.post(reverse("dashboard:job_inject", args=[job.pk]), {"fault": "hang", "rank": "9", "confirmed": "yes"},
-                  follow=True)
+    resp = c.post(
+        reverse("dashboard:job_inject", args=[job.pk]),
+        {"fault": "hang", "rank": "9", "confirmed": "yes"},
+        follow=True,
+    )
     assert "rank 9 is not in this job" in resp.content.decode()
 
 
@@ -199,7 +213,9 @@ def test_it_validates_kubernetes_fields_only_for_that_backend():
     data.update(backend="kubernetes", nodes=2, k8s_namespace="Bad_NS", k8s_tolerations="{not json", drills="")
     resp = c.post(reverse("dashboard:job_new"), data)
     assert resp.status_code == 400
-    assert "tolerations" in str(resp.context["form"].errors) or "namespace" in str(resp.context["form"].errors)
+    assert "tolerations" in str(resp.context["form"].errors) or "namespace" in str(
+        resp.context["form"].errors
+    )
     data.update(k8s_tolerations="[]")
     resp = c.post(reverse("dashboard:job_new"), data)
     assert "DNS label" in resp.context["form"].errors["k8s_namespace"][0]

@@ -18,7 +18,9 @@ def test_it_keeps_few_spans_exact():
 
 
 def test_it_bins_many_spans_to_a_bounded_count_and_keeps_the_alarming_ones():
-    spans = [Span(i * 20.0, i * 20.0 + 0.2, CHECKPOINT_SAVE, None) for i in range(5000)]  # 1% of time in saves
+    spans = [
+        Span(i * 20.0, i * 20.0 + 0.2, CHECKPOINT_SAVE, None) for i in range(5000)
+    ]  # 1% of time in saves
     spans.append(Span(50_000.0, 50_003.0, RESTARTING, None, "cycle"))  # 3 s restart in a 100,000 s job
     spans.append(Span(0.0, 100_000.0, TRAINING, None))
     out = charts.downsample_spans(spans, 0, 100_000, max_spans=400, bins=600)
@@ -38,7 +40,9 @@ def test_it_downsamples_checkpoint_points_but_keeps_failures_and_spikes():
     rows = [{"started_at": float(i), "durable_s": 1.0, "state": "durable"} for i in range(5000)]
     rows[1234]["durable_s"] = 99.0
     rows[4321]["state"] = "failed"
-    out = charts.downsample_points(rows, key="durable_s", keep=lambda r: r["state"] == "failed", max_points=800)
+    out = charts.downsample_points(
+        rows, key="durable_s", keep=lambda r: r["state"] == "failed", max_points=800
+    )
     assert len(out) <= 801
     assert any(r["durable_s"] == 99.0 for r in out)
     assert any(r["state"] == "failed" for r in out)
@@ -53,10 +57,20 @@ def test_it_bounds_the_timeline_of_a_long_job():
     from controlplane.jobs.models import Checkpoint
 
     start = job.first_step_at
-    Checkpoint.objects.bulk_create([
-        Checkpoint(job=job, step=i, started_at=start + timedelta(seconds=100 * i), blocking_s=0.5,
-                   finished_at=start + timedelta(seconds=100 * i + 3), state="durable", mode="async")
-        for i in range(1, 2500)])
+    Checkpoint.objects.bulk_create(
+        [
+            Checkpoint(
+                job=job,
+                step=i,
+                started_at=start + timedelta(seconds=100 * i),
+                blocking_s=0.5,
+                finished_at=start + timedelta(seconds=100 * i + 3),
+                state="durable",
+                mode="async",
+            )
+            for i in range(1, 2500)
+        ]
+    )
     for i in range(30):
         at = start + timedelta(hours=2 * i + 1)
         c = make_cycle(job, f"c{i}", fault_at=at)
@@ -103,6 +117,13 @@ def test_it_marks_failed_and_sync_saves_on_the_checkpoint_chart():
     make_checkpoint(job, 80, started_at=now - timedelta(seconds=40), state="abandoned", durable_s=None)
     fig = sections.checkpoint_part(job)["chart"]["figure"]
     names = {t["name"] for t in fig["data"]}
-    assert {"blocked · sync", "blocked · async", "time to durable · sync", "time to durable · async", "failed",
-            "abandoned", "write throughput (MB/s)"} <= names
+    assert {
+        "blocked · sync",
+        "blocked · async",
+        "time to durable · sync",
+        "time to durable · async",
+        "failed",
+        "abandoned",
+        "write throughput (MB/s)",
+    } <= names
     assert fig["layout"]["yaxis"]["type"] == "log"

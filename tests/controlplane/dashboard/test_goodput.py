@@ -39,8 +39,14 @@ def test_it_counts_recovery_lost_work_and_blocking():
     make_checkpoint(job, 20, started_at=start + timedelta(seconds=20), blocking_s=2.0)
     make_checkpoint(job, 40, started_at=start + timedelta(seconds=40), blocking_s=3.0, mode="sync")
     # 5 s recovery, 15 steps lost (fault at 55, resumed from 40)
-    make_cycle(job, "c1", fault_at=start + timedelta(seconds=60), marks=(0.5, 1, 2, 4, 5), step_at_fault=55,
-               resumed_from_step=40)
+    make_cycle(
+        job,
+        "c1",
+        fault_at=start + timedelta(seconds=60),
+        marks=(0.5, 1, 2, 4, 5),
+        step_at_fault=55,
+        resumed_from_step=40,
+    )
     g = compute_goodput(job, now)
     assert_adds_up(g)
     assert g["startup_s"] == pytest.approx(10)
@@ -79,7 +85,9 @@ def test_it_counts_an_open_cycle_until_now_and_its_expected_loss():
 
 def test_it_uses_the_job_end_for_a_finished_job():
     now = timezone.now()
-    job = make_job(now=now, age_s=100, finished_at=now - timedelta(seconds=50), status="succeeded", last_step=40)
+    job = make_job(
+        now=now, age_s=100, finished_at=now - timedelta(seconds=50), status="succeeded", last_step=40
+    )
     g = compute_goodput(job, now)
     assert g["wall_s"] == pytest.approx(50)
     assert_adds_up(g)
@@ -87,7 +95,9 @@ def test_it_uses_the_job_end_for_a_finished_job():
 
 def test_it_is_all_startup_before_the_job_starts():
     now = timezone.now()
-    job = make_job(now=now, status="pending", started_at=None, first_step_at=None, created_at=now, last_step=0)
+    job = make_job(
+        now=now, status="pending", started_at=None, first_step_at=None, created_at=now, last_step=0
+    )
     g = compute_goodput(job, now)
     assert g["startup"] == 1.0 and g["goodput"] == 0.0
     assert_adds_up(g)

@@ -83,8 +83,9 @@ def test_it_refetches_the_timeline_for_a_window(viewer):
     job = populated_job(now)
     start = int((now - timedelta(seconds=120)).timestamp() * 1000)
     end = int(now.timestamp() * 1000)
-    resp = viewer.get(reverse("dashboard:job_part", args=[job.pk, "timeline"]),
-                      {"start": start, "end": end, "follow": "0"})
+    resp = viewer.get(
+        reverse("dashboard:job_part", args=[job.pk, "timeline"]), {"start": start, "end": end, "follow": "0"}
+    )
     assert resp.status_code == 200
     assert f"[{start}, {end}]".replace(" ", "") in resp.content.decode().replace(" ", "")
 

@@ -9,7 +9,9 @@ from .factories import PASSWORD, make_user, populated_job
 
 pytestmark = pytest.mark.django_db
 
-SAMPLE = re.compile(r'^[a-zA-Z_:][a-zA-Z0-9_:]*(\{([a-zA-Z_][a-zA-Z0-9_]*="([^"\\]|\\.)*",?)*\})? -?[0-9.e+-]+(Inf)?$')
+SAMPLE = re.compile(
+    r'^[a-zA-Z_:][a-zA-Z0-9_:]*(\{([a-zA-Z_][a-zA-Z0-9_]*="([^"\\]|\\.)*",?)*\})? -?[0-9.e+-]+(Inf)?$'
+)
 
 
 def test_it_exposes_the_metrics_in_prometheus_text_format(client):
@@ -29,7 +31,7 @@ def test_it_exposes_the_metrics_in_prometheus_text_format(client):
     assert f'unbroken_faults_total{{{j},class="hang"}} 1' in text
     assert "# TYPE unbroken_checkpoint_blocking_seconds histogram" in text
     assert f'unbroken_checkpoint_blocking_seconds_bucket{{{j},le="+Inf"}} 26' in text
-    assert f'unbroken_checkpoint_durable_seconds_count{{{j}}} 25' in text
+    assert f"unbroken_checkpoint_durable_seconds_count{{{j}}} 25" in text
     assert f"unbroken_goodput_ratio{{{j}}} " in text
     assert f'unbroken_rank_heartbeat_age_seconds{{{j},rank="0",node="node-a"}}' in text
 
@@ -37,8 +39,11 @@ def test_it_exposes_the_metrics_in_prometheus_text_format(client):
 def test_it_keeps_histogram_buckets_cumulative(client):
     populated_job(timezone.now())
     text = client.get("/metrics").content.decode()
-    counts = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-              if line.startswith("unbroken_checkpoint_durable_seconds_bucket")]
+    counts = [
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("unbroken_checkpoint_durable_seconds_bucket")
+    ]
     assert counts == sorted(counts)
 
 

@@ -49,8 +49,20 @@ def test_it_renders_the_job_page_with_every_part(viewer_client):
     body = resp.content.decode()
     for name in JOB_SECTIONS:
         assert f'data-part="{name}"' in body
-    for needle in ("Recovery timeline", "timeline-data", "Checkpoint latency", "Fault history", "Goodput",
-                   "How goodput is defined", "Rank health", "Commands", "Audit log", "Log tail", "hang", "exception"):
+    for needle in (
+        "Recovery timeline",
+        "timeline-data",
+        "Checkpoint latency",
+        "Fault history",
+        "Goodput",
+        "How goodput is defined",
+        "Rank health",
+        "Commands",
+        "Audit log",
+        "Log tail",
+        "hang",
+        "exception",
+    ):
         assert needle in body, needle
     assert "<script>" not in body  # no inline scripts: data travels in json_script blocks
     assert "Actions" not in body  # viewers see no action forms
@@ -74,7 +86,9 @@ def test_it_renders_each_fragment_on_its_own(viewer_client, name):
 
 
 def test_it_renders_a_job_with_no_facts_yet(viewer_client):
-    job = make_job(status="launching", started_at=None, first_step_at=None, last_step=0, last_progress_at=None)
+    job = make_job(
+        status="launching", started_at=None, first_step_at=None, last_step=0, last_progress_at=None
+    )
     assert viewer_client.get(reverse("dashboard:job", args=[job.pk])).status_code == 200
 
 
@@ -86,7 +100,9 @@ def test_it_filters_and_paginates_the_fault_table(viewer_client):
     now = timezone.now()
     job = make_job(now=now)
     for i in range(30):
-        make_fault(job, at=now - timedelta(seconds=300 - i), rank=i % 2, fault_class="exception" if i % 3 else "hang")
+        make_fault(
+            job, at=now - timedelta(seconds=300 - i), rank=i % 2, fault_class="exception" if i % 3 else "hang"
+        )
     url = reverse("dashboard:job_part", args=[job.pk, "faults"])
     page1 = viewer_client.get(url).content.decode()
     assert "page 1 of 2" in page1 and "(30 faults)" in page1
@@ -114,7 +130,9 @@ def test_it_shows_the_log_tail_of_a_local_job(viewer_client, tmp_path):
 def test_it_serves_plotly_from_the_installed_package(viewer_client):
     from controlplane.dashboard.assets import PLOTLY_VERSION
 
-    resp = viewer_client.get(reverse("dashboard:plotly_js", args=[PLOTLY_VERSION]), HTTP_ACCEPT_ENCODING="gzip")
+    resp = viewer_client.get(
+        reverse("dashboard:plotly_js", args=[PLOTLY_VERSION]), HTTP_ACCEPT_ENCODING="gzip"
+    )
     assert resp.status_code == 200
     assert resp["Content-Encoding"] == "gzip"
     assert "immutable" in resp["Cache-Control"]
