@@ -1,21 +1,26 @@
 """Where rank heartbeats go: the one seam between the ingest hot path and the ``Rank`` rows.
 
-Two stores with the same interface (``record``, ``flush``, ``overdue``, ``freshest``, ``forget``):
+Two stores with one interface (``record``, ``flush``, ``overdue``, ``freshest``, ``forget``, ``drop_job``):
 
 - ``DbHeartbeatStore`` (no ``REDIS_URL``): each batch upserts its ranks' rows inside the ingest
   transaction. Rank rows are always current.
-- ``RedisHeartbeatStore`` (``REDIS_URL`` set): one Lua call per batch keeps a packed per-rank state
-  (two ``HSET``s: at and state by rank), a global deadline ZSET (``ZADD``) and a dirty set (``SADD``); ``flush()`` upserts the
-  dirty ranks' rows and the jobs' progress from it. The watchdog reads the deadline ZSET, so lost-rank
-  detection does not wait for a flush.
+- ``RedisHeartbeatStore`` (``REDIS_URL`` set): one Lua call per batch keeps, per job, the newest ``at``
+  and state (the beat as JSON) by rank in two hashes, the job's progress (max step, first train beat),
+  a global deadline ZSET and a dirty set. ``flush()`` (a Celery task the watchdog schedules every
+  ``HEARTBEAT_FLUSH_INTERVAL_S``) upserts the dirty ranks' rows and the jobs' progress. The watchdog
+  reads the deadline ZSET, so lost-rank detection does not wait for a flush.
 
-Accepted trade-offs (Redis store): ``Rank.step_changed_at`` is known to one flush interval (the flush
-sees the step change, not the beat that made it; stall timeouts are minutes). ``Rank`` rows, ``Job.last_step/max_step/last_progress_at`` and so the
-dashboard and stall detection lag Redis by at most one flush interval plus the flush's own duration
-(``HEARTBEAT_FLUSH_INTERVAL_S``, 5 s by default). Heartbeat-lost detection does not lag: the watchdog
-reads deadlines from Redis and writes the freshest state of a rank before it claims it. Redis runs
-without persistence in the reference set-up; if it restarts empty, the flushed rows remain and the
-watchdog's database scan still catches ranks that stop beating (their ``stale_at`` is in the rows).
+Accepted trade-offs (Redis store):
+
+- ``Rank`` rows and ``Job.last_step/max_step/last_progress_at`` (so the dashboard and stall detection)
+  lag Redis by up to one flush interval plus the flush's duration (5 s by default; a 65,536-rank flush
+  takes ~2 s of CPU). Heartbeat-lost detection does not lag: the watchdog reads deadlines from Redis and
+  writes a rank's freshest state before it claims it.
+- ``Rank.step_changed_at`` is exact to one flush interval (the flush sees the step change, not the beat
+  that made it); stall timeouts are minutes.
+- Redis runs without persistence in the reference set-up. If it restarts empty, the flushed rows remain
+  and the watchdog's database scan still catches ranks that stop beating; if it is unreachable, ingest
+  writes heartbeats to the database instead (``ingestion._record``), and the watchdog uses the rows.
 
 Both stores write rows with the same upsert (``upsert_ranks``), which only ever moves a rank forward
 in time: a heartbeat older than the stored one changes nothing.
@@ -26,6 +31,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from itertools import chain
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Iterable, Protocol
@@ -40,7 +46,9 @@ log = logging.getLogger(__name__)
 
 _STOPPED = Phase.STOPPED.value
 _TRAIN = Phase.TRAIN.value
-_SLOW_PHASES = frozenset({Phase.CHECKPOINT_SAVE, Phase.CHECKPOINT_LOAD, Phase.INIT, Phase.RESTARTING})
+_SLOW_PHASES = frozenset(p.value for p in (Phase.CHECKPOINT_SAVE, Phase.CHECKPOINT_LOAD, Phase.INIT,
+                                            Phase.RESTARTING))
+_SLOW_OR_STOPPED = _SLOW_PHASES | {_STOPPED}
 
 
 def utc(ts: float) -> datetime:
@@ -304,62 +312,64 @@ class DbHeartbeatStore:
         pass
 
 
-# KEYS: 1 the job's at-by-rank hash, 2 its state-by-rank hash, 3 deadline zset, 4 dirty set, 5 the job's
-# progress hash (max_step, progress_at, first_train_at: every beat counts, not only the newest per rank)
+# KEYS: 1 the job's state hash (rank -> "<at>|<beat JSON>"), 2 its deadline zset (rank -> deadline),
+# 3 its progress hash (max_step, progress_at, first_train_at: every beat counts, not only the newest
+# per rank), 4 the set of jobs with unflushed beats, 5 the set of jobs with heartbeat state.
 # ARGV: 1 job id, 2 the batch's top step, 3 when it was reached, 4 its earliest train beat ("" = none),
-# then 4 per beat: rank, at, deadline ("" = none), state JSON. Flat arguments: cheaper for Redis than
+# then 4 per beat: rank, at, deadline ("" = none), beat JSON. Flat arguments: cheaper for Redis than
 # decoding one JSON argument (cjson is slow on escaped strings).
 # A beat is taken only if its ``at`` is later than the stored one (and than an earlier beat of the
 # same rank in this batch): heartbeat state only moves forward in time.
 _RECORD_LUA = """
-local job = ARGV[1]
 local n = (#ARGV - 4) / 4
-local fields = {}
-for i = 0, n - 1 do fields[i + 1] = ARGV[5 + i * 4] end
 if ARGV[2] ~= '' then
-  local cur = redis.call('HGET', KEYS[5], 'max_step')
+  local cur = redis.call('HGET', KEYS[3], 'max_step')
   if not cur or tonumber(ARGV[2]) > tonumber(cur) then
-    redis.call('HSET', KEYS[5], 'max_step', ARGV[2], 'progress_at', ARGV[3])
+    redis.call('HSET', KEYS[3], 'max_step', ARGV[2], 'progress_at', ARGV[3])
   end
 end
 if ARGV[4] ~= '' then
-  local f = redis.call('HGET', KEYS[5], 'first_train_at')
-  if not f or tonumber(ARGV[4]) < tonumber(f) then redis.call('HSET', KEYS[5], 'first_train_at', ARGV[4]) end
+  local f = redis.call('HGET', KEYS[3], 'first_train_at')
+  if not f or tonumber(ARGV[4]) < tonumber(f) then redis.call('HSET', KEYS[3], 'first_train_at', ARGV[4]) end
 end
+local fields = {}
+for i = 0, n - 1 do fields[i + 1] = ARGV[5 + i * 4] end
 local best = {}
+local find, sub = string.find, string.sub
 for i = 1, n, 4000 do
   local part = redis.call('HMGET', KEYS[1], unpack(fields, i, math.min(i + 3999, n)))
   for j = 1, #part do
-    if part[j] then best[fields[i + j - 1]] = tonumber(part[j]) end
+    local v = part[j]
+    local k = v and find(v, '|', 1, true)
+    if k then best[fields[i + j - 1]] = tonumber(sub(v, 1, k - 1)) end
   end
 end
-local ats, states, zadd, zrem, dirty = {}, {}, {}, {}, {}
+local states, zadd, zrem = {}, {}, {}
 for i = 0, n - 1 do
   local b = 5 + i * 4
   local rank, at = ARGV[b], tonumber(ARGV[b + 1])
   local prev = best[rank]
   if prev == nil or at > prev then
     best[rank] = at
-    local member = job .. ':' .. rank
-    ats[#ats + 1] = rank
-    ats[#ats + 1] = ARGV[b + 1]
     states[#states + 1] = rank
-    states[#states + 1] = ARGV[b + 3]
+    states[#states + 1] = ARGV[b + 1] .. '|' .. ARGV[b + 3]
     if ARGV[b + 2] == '' then
-      zrem[#zrem + 1] = member
+      zrem[#zrem + 1] = rank
     else
       zadd[#zadd + 1] = ARGV[b + 2]
-      zadd[#zadd + 1] = member
+      zadd[#zadd + 1] = rank
     end
-    dirty[#dirty + 1] = member
   end
 end
-for i = 1, #ats, 4000 do redis.call('HSET', KEYS[1], unpack(ats, i, math.min(i + 3999, #ats))) end
-for i = 1, #states, 4000 do redis.call('HSET', KEYS[2], unpack(states, i, math.min(i + 3999, #states))) end
-for i = 1, #zadd, 4000 do redis.call('ZADD', KEYS[3], unpack(zadd, i, math.min(i + 3999, #zadd))) end
-for i = 1, #zrem, 4000 do redis.call('ZREM', KEYS[3], unpack(zrem, i, math.min(i + 3999, #zrem))) end
-for i = 1, #dirty, 4000 do redis.call('SADD', KEYS[4], unpack(dirty, i, math.min(i + 3999, #dirty))) end
-return #dirty
+for i = 1, #states, 4000 do redis.call('HSET', KEYS[1], unpack(states, i, math.min(i + 3999, #states))) end
+for i = 1, #zadd, 4000 do redis.call('ZADD', KEYS[2], unpack(zadd, i, math.min(i + 3999, #zadd))) end
+for i = 1, #zrem, 4000 do redis.call('ZREM', KEYS[2], unpack(zrem, i, math.min(i + 3999, #zrem))) end
+if #states > 0 then
+  redis.call('SADD', KEYS[4], ARGV[1])
+  redis.call('SADD', KEYS[5], ARGV[1])
+  for k = 1, 3 do redis.call('EXPIRE', KEYS[k], 604800) end  -- a forgotten job's state goes after a week
+end
+return #states / 2
 """
 
 # Take the dirty set for flushing, unless an earlier flush died half-way (then finish that one first).
@@ -383,11 +393,18 @@ return n
 """
 
 
+def _state(raw: bytes) -> RankState:
+    return RankState.of(orjson.loads(raw[raw.find(b"|") + 1:]))
+
+
 class RedisHeartbeatStore:
-    """Heartbeats in Redis; ``Rank`` rows updated by ``flush()`` (see the module docstring)."""
+    """Heartbeats in Redis; ``Rank`` rows updated by ``flush()`` (see the module docstring).
+
+    Keys (``prefix`` = ``ubk:hb``): ``job:<id>:state`` (hash), ``job:<id>:deadlines`` (zset),
+    ``job:<id>:progress`` (hash), ``jobs`` (set: jobs with state), ``dirty``/``flushing`` (sets of job ids).
+    """
 
     in_transaction = False
-    STATE_TTL_S = 7 * 24 * 3600
 
     def __init__(self, url: str, *, prefix: str = "ubk:hb"):
         import redis
@@ -395,7 +412,7 @@ class RedisHeartbeatStore:
         self.redis = redis.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=2,
                                           health_check_interval=30)
         self.prefix = prefix
-        self.DEADLINES = f"{prefix}:deadlines"
+        self.JOBS = f"{prefix}:jobs"
         self.DIRTY = f"{prefix}:dirty"
         self.FLUSHING = f"{prefix}:flushing"
         self.FLUSH_LOCK = f"{prefix}:flush-lock"
@@ -404,16 +421,14 @@ class RedisHeartbeatStore:
         self._take = self.redis.register_script(_TAKE_DIRTY_LUA)
         self._forget = self.redis.register_script(_FORGET_LUA)
 
-    def keys(self, job_id: int) -> tuple[str, str]:
-        """The job's two hashes: rank -> at, rank -> state (the beat as JSON)."""
-        return f"{self.prefix}:job:{job_id}:at", f"{self.prefix}:job:{job_id}:state"
-
-    def progress_key(self, job_id: int) -> str:
-        return f"{self.prefix}:job:{job_id}:progress"
+    def keys(self, job_id: int) -> tuple[str, str, str]:
+        """The job's state hash, deadline zset and progress hash."""
+        base = f"{self.prefix}:job:{job_id}"
+        return f"{base}:state", f"{base}:deadlines", f"{base}:progress"
 
     def progress(self, job_id: int) -> tuple[tuple[int, float] | None, float | None]:
         """((max step, when reached), earliest train beat) over every beat Redis took for the job."""
-        raw = self.redis.hgetall(self.progress_key(job_id))
+        raw = self.redis.hgetall(self.keys(job_id)[2])
         top = (int(raw[b"max_step"]), float(raw[b"progress_at"])) if b"max_step" in raw else None
         first = float(raw[b"first_train_at"]) if b"first_train_at" in raw else None
         return top, first
@@ -421,35 +436,35 @@ class RedisHeartbeatStore:
     def record(self, job_id: int, beats: list[dict], timeouts: Timeouts, *, now: datetime) -> None:
         """One Lua call: the script keeps only beats newer than the stored ones (atomically)."""
         step_s, ckpt_s = timeouts.step_s, timeouts.checkpoint_s
+        # Column-wise (comprehensions and zip run at C speed; this is the ingest hot path).
+        ranks = [b["rank"] for b in beats]
+        ats = [b["at"] for b in beats]
+        phases = [b["phase"] for b in beats]
+        steps = [b["step"] for b in beats]
+        if _SLOW_OR_STOPPED.isdisjoint(phases):
+            deadlines: list = [a + step_s for a in ats]
+        else:
+            deadlines = ["" if p == _STOPPED else a + (ckpt_s if p in _SLOW_PHASES else step_s)
+                         for p, a in zip(phases, ats, strict=True)]
         args: list = [job_id, "", "", ""]
-        dumps = orjson.dumps
-        top_step, top_at, first_train = -1, 0.0, None
-        for b in beats:
-            phase, at, step = b["phase"], b["at"], b["step"]
-            deadline = "" if phase == _STOPPED else repr(at + (ckpt_s if phase in _SLOW_PHASES else step_s))
-            args += (b["rank"], repr(at), deadline, dumps(b))
-            if step > top_step or (step == top_step and at < top_at):
-                top_step, top_at = step, at
-            if phase == _TRAIN and (first_train is None or at < first_train):
-                first_train = at
-        if top_step >= 0:
-            args[1:4] = [top_step, repr(top_at), "" if first_train is None else repr(first_train)]
-        ats, states = self.keys(job_id)
-        progress = self.progress_key(job_id)
-        pipe = self.redis.pipeline(transaction=False)
-        self._record(keys=[ats, states, self.DEADLINES, self.DIRTY, progress], args=args, client=pipe)
-        for key in (ats, states, progress):
-            pipe.expire(key, self.STATE_TTL_S)
-        pipe.execute()
+        args += chain.from_iterable(zip(ranks, ats, deadlines, map(orjson.dumps, beats), strict=True))
+        if beats:
+            top_step = max(steps)
+            args[1] = top_step
+            args[2] = min(a for a, st in zip(ats, steps, strict=True) if st == top_step)
+            train = [a for a, p in zip(ats, phases, strict=True) if p == _TRAIN]
+            args[3] = min(train) if train else ""
+        self._record(keys=[*self.keys(job_id), self.DIRTY, self.JOBS], args=args)
 
     def flush(self, *, now: datetime | None = None) -> int:
-        """Write the dirty ranks' newest states into ``Rank`` rows and the jobs' progress.
+        """Write the newest states of jobs with new beats into ``Rank`` rows and the jobs' progress.
 
         1. Take a lock (one flusher at a time; it expires if this process dies).
         2. Atomically rename the dirty set to the flushing set (or resume a flushing set left by a
            flusher that died: the rows only move forward, so writing twice is harmless).
-        3. Read the states and upsert them, per job, in one transaction per job.
-        4. Delete the flushing set only after the commit; a crash before that repeats step 3.
+        3. Per job, read every rank's state and upsert it in one transaction (ranks whose beat is
+           not newer than their row are skipped by the upsert's WHERE).
+        4. Delete the flushing set only after the commits; a crash before that repeats step 3.
         """
         from controlplane.jobs.models import Job
 
@@ -460,21 +475,18 @@ class RedisHeartbeatStore:
         try:
             if not self._take(keys=[self.DIRTY, self.FLUSHING]):
                 return 0
-            by_job: dict[int, list[int]] = {}
-            for member in self.redis.sscan_iter(self.FLUSHING, count=10000):
-                j, r = member.split(b":")
-                by_job.setdefault(int(j), []).append(int(r))
-            specs = dict(Job.objects.filter(pk__in=list(by_job)).values_list("pk", "spec"))
+            job_ids = [int(j) for j in self.redis.smembers(self.FLUSHING)]
+            specs = dict(Job.objects.filter(pk__in=job_ids).values_list("pk", "spec"))
             n = 0
-            for job_id, ranks in by_job.items():
+            for job_id in job_ids:
                 if job_id not in specs:
                     self.drop_job(job_id)
                     continue
-                states = self.freshest(job_id, ranks)
+                states = [_state(raw) for raw in self.redis.hvals(self.keys(job_id)[0])]
                 top, first_train = self.progress(job_id)
                 with transaction.atomic():
-                    n += upsert_ranks(job_id, states.values(), Timeouts.of(specs[job_id]), now=now)
-                    update_job_progress(job_id, states.values(), top=top, first_train=first_train)
+                    n += upsert_ranks(job_id, states, Timeouts.of(specs[job_id]), now=now)
+                    update_job_progress(job_id, states, top=top, first_train=first_train)
             self.redis.delete(self.FLUSHING)
             return n
         finally:
@@ -483,39 +495,38 @@ class RedisHeartbeatStore:
                 self.redis.delete(self.FLUSH_LOCK)
 
     def overdue(self, now: datetime, *, limit: int = 10000) -> list[tuple[int, int, float]]:
-        """(job_id, rank, deadline) of every rank whose deadline passed, oldest first."""
+        """(job_id, rank, deadline) of every rank whose deadline passed."""
+        job_ids = sorted(int(j) for j in self.redis.smembers(self.JOBS))
+        pipe = self.redis.pipeline(transaction=False)
+        for j in job_ids:
+            pipe.zrangebyscore(self.keys(j)[1], "-inf", now.timestamp(), start=0, num=limit, withscores=True)
         out = []
-        for member, score in self.redis.zrangebyscore(self.DEADLINES, "-inf", now.timestamp(), start=0,
-                                                      num=limit, withscores=True):
-            j, r = member.split(b":")
-            out.append((int(j), int(r), float(score)))
+        for j, rows in zip(job_ids, pipe.execute(), strict=True):
+            out += [(j, int(r), float(score)) for r, score in rows]
         return out
 
     def freshest(self, job_id: int, ranks: list[int]) -> dict[int, RankState]:
         out: dict[int, RankState] = {}
-        key = self.keys(job_id)[1]
+        key = self.keys(job_id)[0]
         for i in range(0, len(ranks), 5000):
-            part = ranks[i:i + 5000]
-            for raw in self.redis.hmget(key, part):
+            for raw in self.redis.hmget(key, ranks[i:i + 5000]):
                 if raw is not None:
-                    st = RankState.of(orjson.loads(raw))
+                    st = _state(raw)
                     out[st.rank] = st
         return out
 
     def forget(self, entries: list[tuple[int, int, float]]) -> None:
-        for i in range(0, len(entries), 2000):
-            args: list = []
-            for j, r, score in entries[i:i + 2000]:
-                args += (f"{j}:{r}", repr(score))
-            self._forget(keys=[self.DEADLINES], args=args)
+        by_job: dict[int, list] = {}
+        for j, r, score in entries:
+            by_job.setdefault(j, []).extend((r, repr(score)))
+        for j, args in by_job.items():
+            for i in range(0, len(args), 4000):
+                self._forget(keys=[self.keys(j)[1]], args=args[i:i + 4000])
 
     def drop_job(self, job_id: int) -> None:
         """Forget a job's heartbeat state (it finished or was deleted)."""
-        ats, states = self.keys(job_id)
-        ranks = [int(r) for r in self.redis.hkeys(ats)]
-        for i in range(0, len(ranks), 5000):
-            self.redis.zrem(self.DEADLINES, *[f"{job_id}:{r}" for r in ranks[i:i + 5000]])
-        self.redis.delete(ats, states, self.progress_key(job_id))
+        self.redis.delete(*self.keys(job_id))
+        self.redis.srem(self.JOBS, job_id)
 
 
 _store: HeartbeatStore | None = None

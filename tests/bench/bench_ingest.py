@@ -172,12 +172,14 @@ def one_run(args: argparse.Namespace, env: dict[str, str], run_no: int, tmp: Pat
                 time.sleep(0.05)
         detect_s = (fault.detected_at.timestamp() - deadline) if fault else float("nan")
         false_lost = Fault.objects.filter(job=job, fault_class="heartbeat_lost").exclude(rank=silent).count()
-        # Flush lag: how long after the load stopped the Rank rows hold every rank's last beat.
+        # Flush lag: how long after the load stopped the Rank rows hold every rank's last beat
+        # (an upper bound: it includes the detection wait above when that was long).
         t_end = time.time()
         flushed_at = None
-        while time.time() < t_end + 15:
+        last_round = min(res.last_sent_at.values())  # every rank beat at or after this
+        while time.time() < t_end + 30:
             n = Rank.objects.filter(job=job, last_heartbeat_at__gte=datetime.fromtimestamp(
-                res.finished - 1.5, tz=UTC)).count()
+                last_round, tz=UTC)).count()
             if n >= args.ranks - 1:
                 flushed_at = time.time()
                 break
@@ -188,7 +190,7 @@ def one_run(args: argparse.Namespace, env: dict[str, str], run_no: int, tmp: Pat
             "p50_ms": res.pct(0.5) * 1e3, "p99_ms": res.pct(0.99) * 1e3, "detect_s": detect_s,
             "requests": res.sent, "ok": res.ok, "errors": res.errors, "max_sender_lag_s": res.max_lag_s,
             "false_lost": false_lost, "rank_rows": rows,
-            "flush_lag_s": (flushed_at - t_end) if flushed_at else float("nan"),
+            "flush_lag_s": (flushed_at - res.finished) if flushed_at else float("nan"),
             "cpu_pct": {k: round(100 * v / cpu_wall) for k, v in cpu.items()},
             "machine_busy_pct": busy,
         }

@@ -36,6 +36,7 @@ class LoadResult:
     finished: float = 0.0
     silent_last_at: float | None = None  # the silent rank's last heartbeat time (its clock = ours)
     max_lag_s: float = 0.0  # how far the sender fell behind its schedule
+    last_sent_at: dict[int, float] = field(default_factory=dict)  # per group: its last beats' time
 
     @property
     def duration_s(self) -> float:
@@ -140,6 +141,7 @@ async def run(url: str, job_id: int, token: str, *, ranks: int = 65536, batch_si
             ts = time.time()
             if silent_group == gi and not silent:
                 res.silent_last_at = ts
+            res.last_sent_at[gi] = ts
             body = tpl.replace(b"@S@", str(step_of(now)).encode()).replace(b"@T@", repr(ts).encode())
             n_beats = len(groups[gi]) - (1 if silent else 0)
             counted = due >= measure_from
