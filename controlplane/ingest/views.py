@@ -54,10 +54,10 @@ def error(status: int, message: str, field: str | None = None, headers: dict[str
     return _json({"error": message, "field": field or None}, status, headers)
 
 
-def _cached_job(job_id: int) -> Job | None:
+def _cached_job(job_id: int, *, fresh: bool = False) -> Job | None:
     now = time.monotonic()
     hit = _jobs.get(job_id)
-    if hit is not None and hit[0] > now:
+    if hit is not None and hit[0] > now and not fresh:
         return hit[1]
     job = Job.objects.filter(pk=job_id).first()
     with _lock:
@@ -106,12 +106,17 @@ def handle(job_id: int, authorization: str, content_length: str | None, body: by
     except DatabaseError as e:
         log.error("ingest: cannot load job %s: %s", job_id, e)
         return _err(503, "the database is unavailable; retry later (retries are safe)", headers=_RETRY)
-    # Same work whether or not the job exists: a wrong token learns nothing about job ids.
-    if job is None or not job.token_hash:
-        Job(token_hash=_NO_HASH).token_matches(token)
-        return _err(401, "this token is not valid for this job", headers=_UNAUTHORIZED)
-    if not job.token_matches(token):
-        return _err(401, "this token is not valid for this job", headers=_UNAUTHORIZED)
+    if job is None or not job.token_hash or not job.token_matches(token):
+        # The cached row may predate the token (minted at launch): look again before refusing, since
+        # a refused batch is dropped by the reporter.
+        try:
+            job = _cached_job(job_id, fresh=True)
+        except DatabaseError:
+            return _err(503, "the database is unavailable; retry later (retries are safe)", headers=_RETRY)
+        # Same work whether or not the job exists: a wrong token learns nothing about job ids.
+        if not Job(token_hash=job.token_hash if job is not None and job.token_hash else _NO_HASH).token_matches(
+                token) or job is None or not job.token_hash:
+            return _err(401, "this token is not valid for this job", headers=_UNAUTHORIZED)
 
     limit = settings.INGEST_MAX_BODY_BYTES
     too_big = f"the body is over {limit} bytes; send smaller batches"

@@ -232,3 +232,14 @@ def test_it_answers_in_the_documented_error_schema(post, client):
     for r in (post(job, None, batch()), post(job, token, b"{"), post(job, token, batch([hb(9)]))):
         jsonschema.validate(orjson.loads(r.content), error_schema)
         assert str(r.status_code) in schema["paths"]["/api/v1/jobs/{job_id}/ingest"]["post"]["responses"]
+
+
+def test_it_accepts_a_token_minted_after_the_job_was_cached(post):
+    from controlplane.jobs.models import Job as JobModel
+
+    job, _ = make_job(status="launching")
+    JobModel.objects.filter(pk=job.pk).update(token_hash="")
+    assert post(job, "ubk_not_yet", batch([hb(0)])).status_code == 401  # cached without a token
+    token = job.issue_token()
+    JobModel.objects.filter(pk=job.pk).update(token_hash=job.token_hash)
+    assert post(job, token, batch([hb(0)])).status_code == 200
