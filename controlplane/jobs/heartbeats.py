@@ -290,6 +290,7 @@ class DbHeartbeatStore:
     """Heartbeats straight into ``Rank`` rows, in the ingest transaction (the embedded default)."""
 
     in_transaction = True
+    backstop_grace_s = 0.0  # the rows are the truth
 
     def record(self, job_id: int, beats: list[dict], timeouts: Timeouts, *, now: datetime) -> None:
         states = newest_per_rank(beats).values()
@@ -405,6 +406,12 @@ class RedisHeartbeatStore:
     """
 
     in_transaction = False
+
+    @property
+    def backstop_grace_s(self) -> float:
+        """How far behind their deadline rows must be before the watchdog's database scan looks at
+        them (the rows lag Redis by up to a flush; Redis's own index has no such delay)."""
+        return 2 * flush_interval_s() + 5.0
 
     def __init__(self, url: str, *, prefix: str = "ubk:hb"):
         import redis

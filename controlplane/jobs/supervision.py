@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 
 from django.db import connection, transaction
 from django.db.models import Count, F, Q
@@ -65,7 +65,9 @@ def mark_overdue(now: datetime | None = None, *, store: hb_store.HeartbeatStore 
     """Record a ``heartbeat_lost`` fault, once, for every rank of an active job past its deadline.
 
     1. Candidates: the heartbeat store's deadline index (Redis: fresh to the last batch) and the
-       database rows (``Rank.objects.overdue``: covers the database store, Redis restarts, fallbacks).
+       database rows (``Rank.objects.overdue``: covers the database store, and with Redis, a Redis
+       that restarted empty or a fallback to the database; then a grace of two flush intervals
+       applies, so such a loss is found up to ``backstop_grace_s`` late).
     2. Per job, write the store's freshest state of the candidates into their rows (only forward in
        time), so a rank that beat after the last flush is not claimed.
     3. Claim ``lost_at`` with a conditional UPDATE; insert one fault per claimed rank (``source_key`` =
@@ -83,7 +85,10 @@ def mark_overdue(now: datetime | None = None, *, store: hb_store.HeartbeatStore 
     by_job: dict[int, set[int]] = {}
     for j, r, _ in indexed:
         by_job.setdefault(j, set()).add(r)
-    for j, r in Rank.objects.overdue(now).values_list("job_id", "rank")[:10000]:
+    # The rows lag a Redis store by up to a flush; scanning them without a grace would make every pass
+    # re-check (and re-write) thousands of live ranks whenever a flush runs late.
+    grace = timedelta(seconds=getattr(store, "backstop_grace_s", 0.0))
+    for j, r in Rank.objects.overdue(now - grace).values_list("job_id", "rank")[:10000]:
         by_job.setdefault(j, set()).add(r)
     if not by_job:
         return 0

@@ -153,7 +153,7 @@ def one_run(args: argparse.Namespace, env: dict[str, str], run_no: int, tmp: Pat
         t_cpu = time.time()
         machine_busy()  # start the machine-wide CPU interval
         res = asyncio.run(loadgen.run(f"http://127.0.0.1:{port}", job.pk, token, ranks=args.ranks,
-                                      batch_size=args.batch_size, interval_s=1.0, duration_s=args.duration_s,
+                                      batch_size=args.batch_size, interval_s=args.interval_s, duration_s=args.duration_s,
                                       connections=args.connections, silent_rank=silent,
                                       silent_after_s=args.silent_after_s, warmup_s=args.warmup_s))
         cpu = {"server": cpu_seconds([server.pid]) - cpu0["server"],
@@ -206,6 +206,8 @@ def main() -> None:
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--ranks", type=int, default=65536)
     p.add_argument("--batch-size", type=int, default=512)
+    p.add_argument("--interval-s", type=float, default=1.0,
+                   help="each rank beats once per interval (offered load = ranks / interval)")
     p.add_argument("--connections", type=int, default=32)
     p.add_argument("--duration-s", type=float, default=20.0)
     p.add_argument("--warmup-s", type=float, default=3.0)
