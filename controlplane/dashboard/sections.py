@@ -168,12 +168,17 @@ def job_bounds(job: Job, now: datetime) -> tuple[float, float]:
 
 
 def lanes_for(job: Job, now: datetime) -> list[dict]:
+    """One lane per rank, ordered by (node, rank); loaded once per request (timeline and health strip)."""
+    cached = getattr(job, "_dashboard_lanes", None)
+    if cached is not None:
+        return cached
     ranks = {r.rank: r for r in Rank.objects.filter(job=job)}
     lanes = []
     for i in sorted(set(range(job.world_size)) | set(ranks)):
         r = ranks.get(i)
         lanes.append({"rank": i, "node": r.node if r else "", "row": r})
     lanes.sort(key=lambda ln: (ln["node"], ln["rank"]))
+    job._dashboard_lanes = lanes
     return lanes
 
 

@@ -60,37 +60,28 @@ def compute_goodput(job, now: datetime) -> dict[str, float]:
     train_from = min(max(first_step, start), end) if first_step is not None else end
     seconds["startup"] = train_from - start
 
-    cycles = list(
-        job.cycles.values_list(
-            "fault_at",
-            "detected_at",
-            "aborted_at",
-            "restarted_at",
-            "first_step_at",
-            "step_at_fault",
-            "resumed_from_step",
-        )
+    cycles = job.cycles.values_list(
+        Epoch("fault_at"),
+        Epoch("detected_at"),
+        Epoch("aborted_at"),
+        Epoch("restarted_at"),
+        Epoch("first_step_at"),
+        "step_at_fault",
+        "resumed_from_step",
     )
     intervals = []
     lost_steps = 0
     for fault_at, detected_at, aborted_at, restarted_at, first_at, step_at_fault, resumed_from in cycles:
-        began = fault_at or detected_at or aborted_at or restarted_at
+        began = next((t for t in (fault_at, detected_at, aborted_at, restarted_at) if t is not None), None)
         if began is None:
             continue
-        a = max(began.timestamp(), train_from)
-        b = min(first_at.timestamp() if first_at else end, end)
-        intervals.append((a, b))
+        intervals.append((max(began, train_from), min(first_at if first_at is not None else end, end)))
         if step_at_fault is not None:
             if resumed_from is not None:
                 lost_steps += max(0, step_at_fault - resumed_from)
             else:  # still recovering: it resumes from the newest durable checkpoint at or before the fault
-                base = (
-                    job.checkpoints.filter(state=CheckpointState.DURABLE, step__lte=step_at_fault).aggregate(
-                        m=Max("step")
-                    )["m"]
-                    or 0
-                )
-                lost_steps += max(0, step_at_fault - base)
+                durable = job.checkpoints.filter(state=CheckpointState.DURABLE, step__lte=step_at_fault)
+                lost_steps += max(0, step_at_fault - (durable.aggregate(m=Max("step"))["m"] or 0))
     seconds["recovery"], merged = _union_length(intervals)
     seconds["checkpoint_blocking"] = _blocking(job, train_from, end, merged)
 

@@ -423,6 +423,8 @@ def measure_live(job, token: str, user, *, faults: int, app: str) -> list[float]
             time.sleep(0.1)
         client.stop.set()
         stop.set()
+        beater.join(5)  # no heartbeat in flight when the server goes away
+        watcher.join(5)
         missing = [m for m in markers if m not in client.seen]
         if missing:
             raise SystemExit(f"{len(missing)} faults never reached the page: {missing[:3]}")
