@@ -142,3 +142,13 @@ def test_it_renders_the_new_job_form_with_the_demo_preset(operator_client):
     body = operator_client.get(reverse("dashboard:job_new")).content.decode()
     assert "60:exception:1" in body and "150:sigkill:0" in body  # DEMO_SPEC drills
     assert 'data-show-for-backend="kubernetes"' in body
+
+
+@pytest.mark.parametrize("preset", ["demo", "cpu-small", "k8s-1b"])
+def test_it_prefills_every_preset(operator_client, preset):
+    resp = operator_client.get(reverse("dashboard:job_new"), {"preset": preset})
+    assert resp.status_code == 200
+    form = resp.context["form"]
+    assert form.initial["name"] == preset
+    if preset == "k8s-1b":
+        assert form.initial["backend"] == "kubernetes" and form.initial["k8s_namespace"] == "unbroken"
