@@ -36,7 +36,7 @@
 
   // Narrow screens: legends wrap onto more lines, so give the plot more height rather than squeeze it.
   function fitLayout(div, layout) {
-    const w = div.clientWidth || window.innerWidth;
+    const w = window.innerWidth;
     if (w >= 700) return layout;
     const out = Object.assign({}, layout);
     out.height = Math.round((layout.height || 300) * 1.4 + 140);
