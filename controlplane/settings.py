@@ -129,7 +129,7 @@ CELERY_BROKER_DIR = DATA_DIR / "broker"
 if REDIS_URL:
     CELERY_BROKER_URL = REDIS_URL
 else:
-    for sub in ("in", "processed"):
+    for sub in ("in", "processed", "control"):
         (CELERY_BROKER_DIR / sub).mkdir(parents=True, exist_ok=True)
     CELERY_BROKER_URL = "filesystem://"
     CELERY_BROKER_TRANSPORT_OPTIONS = {
@@ -137,6 +137,7 @@ else:
         "data_folder_out": str(CELERY_BROKER_DIR / "in"),
         "data_folder_processed": str(CELERY_BROKER_DIR / "processed"),
         "store_processed": False,
+        "control_folder": str(CELERY_BROKER_DIR / "control"),
     }
 CELERY_TASK_SERIALIZER = "json"
 CELERY_RESULT_SERIALIZER = "json"
