@@ -12,7 +12,7 @@ from controlplane.jobs.models import Checkpoint, Fault, Job, JobStatus, Rank, Re
 from controlplane.jobs.spec import Drill, JobSpec
 from controlplane.launchers.local import launch_tag
 from controlplane.launchers.services import supervise_all
-from tests.e2e.conftest import wait_for
+from tests.helpers import wait_for
 from trainer.wire import CheckpointState, FaultClass, Layer
 
 pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
