@@ -3,4 +3,9 @@ import os
 from django.core.asgi import get_asgi_application
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "controlplane.settings")
-application = get_asgi_application()
+django_application = get_asgi_application()
+
+from controlplane.ingest.asgi import with_ingest  # noqa: E402  (needs Django set up)
+
+# Ingest batches take a lean raw-ASGI path; every other request goes through Django.
+application = with_ingest(django_application)

@@ -102,7 +102,10 @@ ASGI_APPLICATION = "controlplane.asgi.application"
 
 DATABASE_URL = os.environ.get("DATABASE_URL", "")
 if DATABASE_URL:
-    DATABASES = {"default": dj_database_url.parse(DATABASE_URL, conn_max_age=600, conn_health_checks=True)}
+    # 0 by default: under Django's ASGI handler each request runs in its own thread, so persistent
+    # connections would pile up. The ingest fast path keeps its own single connection anyway.
+    DATABASES = {"default": dj_database_url.parse(
+        DATABASE_URL, conn_max_age=int(env_float("UNBROKEN_DB_CONN_MAX_AGE", 0)), conn_health_checks=True)}
 else:
     DATA_DIR.mkdir(parents=True, exist_ok=True)
     DATABASES = {

@@ -18,7 +18,7 @@ The response carries the job's pending commands::
     {"accepted": {"heartbeats": 1, "events": 1, "duplicates": 0},
      "commands": [{"id": 7, "kind": "restart", "level": "in_process", "rank": null,
                    "fault": null, "issued_at": 1764671999.0}],
-     "server_time": 1764672000.1}
+     "server_time": 1764672000.1, "job_status": "running"}
 
 Commands are re-sent until acknowledged (a ``command_ack`` event); the trainer dedupes by id.
 Event ids make retries harmless: the control plane stores each (job, id) once.
@@ -230,7 +230,7 @@ def parse_batch(obj: Any, *, now: float, world_size: int | None = None) -> Batch
     if type(obj) is not dict:
         raise WireError("the body must be a JSON object")
     v = obj.get("v", WIRE_VERSION)
-    if v != WIRE_VERSION:
+    if type(v) is not int or v != WIRE_VERSION:
         raise WireError(f"unsupported wire version {v!r}; this server speaks {WIRE_VERSION}", "v")
     sent_at = _num(obj.get("sent_at"), "sent_at")
     assert sent_at is not None
@@ -276,7 +276,7 @@ def _heartbeat(h: Any, path: str, latest: float, world_size: int | None) -> Hear
     if type(h) is not dict:
         raise WireError("must be an object", path)
     phase = h.get("phase")
-    if phase not in _PHASES:
+    if type(phase) is not str or phase not in _PHASES:
         raise WireError(f"must be one of {sorted(_PHASES)}", f"{path}.phase")
     pid = h.get("pid")
     return Heartbeat(
@@ -299,7 +299,7 @@ def _event(e: Any, path: str, latest: float, world_size: int | None) -> Event:
     if not eid:
         raise WireError("must not be empty", f"{path}.id")
     kind = e.get("kind")
-    if kind not in _EVENT_KINDS:
+    if type(kind) is not str or kind not in _EVENT_KINDS:
         raise WireError(f"must be one of {sorted(_EVENT_KINDS)}", f"{path}.kind")
     rank = e.get("rank")
     data = e.get("data", {})

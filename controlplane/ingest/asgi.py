@@ -29,16 +29,18 @@ _executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ingest")
 
 
 def _run(job_id: int, authorization: str, content_length: str | None, body: bytes) -> tuple[int, dict, dict]:
-    from django.db import close_old_connections
+    from django.db import connection
 
     from controlplane.ingest import views
 
-    close_old_connections()  # what Django's request_started signal does: drop broken/expired connections
+    # This one thread keeps its database connection for good (whatever CONN_MAX_AGE says: the web
+    # process runs with 0, since Django's ASGI handler gives each request its own thread); a
+    # failure closes it and the next batch reconnects.
     try:
         return views.handle(job_id, authorization, content_length, body)
     except Exception:
         log.exception("ingest for job %s failed", job_id)
-        close_old_connections()
+        connection.close()
         return 500, {"error": "internal error; the batch was not stored, retry later", "field": None}, {}
 
 
@@ -95,9 +97,9 @@ def with_ingest(app):
 
 
 def _default():
-    from controlplane.asgi import application as django_app
+    from controlplane.asgi import django_application
 
-    return with_ingest(django_app)
+    return with_ingest(django_application)
 
 
 application = _default()

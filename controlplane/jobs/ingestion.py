@@ -146,7 +146,10 @@ def parse_heartbeats_fast(obj: Any, *, now: float, world_size: int) -> list[dict
     ``wire.parse_batch``, which accepts or names the offending field. Never accepts what ``parse_batch``
     refuses (tests/controlplane/jobs/test_ingestion.py compares the two on mutated batches).
     """
-    if type(obj) is not dict or obj.get("v", WIRE_VERSION) != WIRE_VERSION or obj.get("events"):
+    if type(obj) is not dict or obj.get("events"):
+        return None
+    v = obj.get("v", WIRE_VERSION)
+    if type(v) is not int or v != WIRE_VERSION:
         return None
     sent_at = obj.get("sent_at")
     hbs = obj.get("heartbeats")
