@@ -196,7 +196,7 @@ def _cycle_dicts(job: Job, lo: datetime | None = None, hi: datetime | None = Non
                 "id": c.pk,
                 "key": c.key,
                 "layer": c.layer,
-                "reason": c.reason,
+                "reason": c.reason + (f" · gave up: escalated to {c.escalated_to}" if c.escalated_to else ""),
                 "fault_at": ts(c.fault_at),
                 "detected_at": ts(c.detected_at),
                 "aborted_at": ts(c.aborted_at),
@@ -397,7 +397,8 @@ def faults_part(job: Job, params) -> dict:
         rows.append(
             {
                 "f": f,
-                "layer": charts.LAYER_NAMES.get(c.layer, c.layer) if c else "",
+                "layer": (charts.LAYER_NAMES.get(c.layer, c.layer)
+                          + (f" → escalated ({c.escalated_to})" if c.escalated_to else "")) if c else "",
                 "detection": charts.fmt_s(
                     c.detection_s if c and c.detection_s is not None else f.detection_s
                 ),

@@ -337,6 +337,7 @@ def _cycle_status(job: Job, touched: dict[str, RestartCycle], now: datetime) -> 
                        only_from=(JobStatus.RUNNING,))
     if closed:
         c = max(closed, key=lambda c: c.first_step_at)
+        _close_escalated(job, c)
         still_open = RestartCycle.objects.filter(job=job, first_step_at__isnull=True).exclude(pk=c.pk).filter(
             Q(fault_at__gt=c.first_step_at) | Q(fault_at__isnull=True, detected_at__gt=c.first_step_at)
             | Q(fault_at__isnull=True, detected_at__isnull=True, aborted_at__gt=c.first_step_at)
@@ -348,6 +349,20 @@ def _cycle_status(job: Job, touched: dict[str, RestartCycle], now: datetime) -> 
             notifications.enqueue(job, Notification.Transition.RECOVERED, f"recovered:{c.key}",
                                   f"Job #{job.pk} {job.name} recovered{recovery} "
                                   f"({c.layer} restart {c.key}); training continues.", now=now)
+
+
+def _close_escalated(job: Job, recovered: RestartCycle) -> None:
+    """Close the cycles that were still open when ``recovered`` reached its first step and began no
+    later than it did: their layer gave up (e.g. the Wrapper started on a SIGKILL, then ft_launcher
+    restarted the group). Each ends at its own last mark, so it stops counting as recovery."""
+    marks = ("restarted_at", "aborted_at", "detected_at", "fault_at")
+    for other in RestartCycle.objects.filter(job=job, first_step_at__isnull=True).exclude(pk=recovered.pk):
+        start = other.start_at
+        if start is None or start > recovered.first_step_at:
+            continue
+        last = max((getattr(other, m) for m in marks if getattr(other, m)), default=start)
+        RestartCycle.objects.filter(pk=other.pk, first_step_at__isnull=True).update(
+            first_step_at=last, escalated_to=recovered.key)
 
 
 def _apply_faults(job: Job, fault_events: list[Any], cycles: dict[str, RestartCycle]) -> None:

@@ -215,6 +215,9 @@ class RestartCycle(models.Model):
     first_step_at = models.DateTimeField(null=True, blank=True)
     resumed_from_step = models.IntegerField(null=True, blank=True)
     step_at_fault = models.IntegerField(null=True, blank=True)
+    # Set when this layer gave up and a later cycle (by key) recovered instead: e.g. an in-process
+    # restart that a SIGKILL cut short, finished by ft_launcher. Its first_step_at is then its last mark.
+    escalated_to = models.CharField(max_length=64, blank=True)
 
     class Meta:
         constraints = [models.UniqueConstraint(fields=["job", "key"], name="uniq_cycle_per_job")]

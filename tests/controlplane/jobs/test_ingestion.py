@@ -186,3 +186,18 @@ def test_its_fast_validator_never_accepts_what_the_wire_module_refuses():
             assert [(b["rank"], b["step"], b["phase"], float(b["at"])) for b in fast] == \
                 [(h.rank, h.step, h.phase, h.at) for h in slow.heartbeats]
     assert accepted > 100  # the fast path is actually taken for good batches
+
+
+def test_it_closes_an_in_process_cycle_that_escalated_to_the_launcher():
+    job, _ = make_job()
+    t = time.time() - 60
+    record(job, events=[cycle_ev("k1", "a0-ij1", "fault_at", t, layer="in_job"),
+                        cycle_ev("p1", "a0-ij0-ip1", "detected_at", t + 0.2),
+                        cycle_ev("p2", "a0-ij0-ip1", "aborted_at", t + 0.3)])
+    record(job, events=[cycle_ev("k2", "a0-ij1", "first_step_at", t + 5, layer="in_job")])
+    job.refresh_from_db()
+    assert job.status == "running"
+    gave_up = RestartCycle.objects.get(job=job, key="a0-ij0-ip1")
+    assert gave_up.escalated_to == "a0-ij1"
+    assert gave_up.recovery_s == pytest.approx(0.1, abs=1e-3)  # ends at its own last mark, not "now"
+    assert RestartCycle.objects.get(job=job, key="a0-ij1").escalated_to == ""
