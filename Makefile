@@ -29,25 +29,25 @@ up: install $(DATA)/secret_key
 	$(PY) manage.py ensure_operator
 	$(PY) manage.py serve
 
-test: install
+test: install $(DATA)/secret_key
 	$(PY) -m pytest
 
-test-fast: install
+test-fast: install $(DATA)/secret_key
 	$(PY) -m pytest -m "not slow"
 
-bench-ingest: install
+bench-ingest: install $(DATA)/secret_key
 	$(PY) tests/bench/bench_ingest.py
 
-bench-recovery: install
+bench-recovery: install $(DATA)/secret_key
 	$(PY) tests/bench/bench_recovery.py
 
-bench-checkpoint: install
+bench-checkpoint: install $(DATA)/secret_key
 	$(PY) tests/bench/bench_checkpoint.py
 
-bench-dashboard: install
+bench-dashboard: install $(DATA)/secret_key
 	$(PY) tests/bench/bench_dashboard.py
 
-k8s-e2e: install
+k8s-e2e: install $(DATA)/secret_key
 	$(PY) -m pytest tests/k8s_e2e -m k8s_e2e -v
 
 clean:
