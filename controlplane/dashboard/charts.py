@@ -566,35 +566,40 @@ def progress_figure(points: list[tuple[float, int]]) -> dict:
     return {"figure": {"data": traces, "layout": layout}}
 
 
-def rank_metrics_figure(ranks: list[dict]) -> dict:
-    """Latest loss and tokens/s per rank (heartbeats are not kept as history; see the README)."""
-    x = [f"r{r['rank']}" for r in ranks]
+def loss_figure(samples: list[tuple[float, float | None, float | None]]) -> dict:
+    """Loss and tokens/s over time from training samples: (unix s, loss, tokens/s), sorted."""
+    if len(samples) > MAX_POINTS:
+        stride = len(samples) / MAX_POINTS
+        samples = [samples[int(i * stride)] for i in range(MAX_POINTS)] + [samples[-1]]
+    x = [ms(t) for t, _, _ in samples]
     traces = [
         {
-            "type": "bar",
-            "name": "loss (latest)",
+            "type": "scatter",
+            "mode": "lines",
+            "name": "loss",
             "x": x,
-            "y": [r["loss"] for r in ranks],
-            "marker": {"color": "#e15759"},
-            "hovertemplate": "%{x}: loss %{y:.4f}<extra></extra>",
+            "y": [loss for _, loss, _ in samples],
+            "line": {"color": "#e15759"},
+            "connectgaps": False,
+            "hovertemplate": "loss %{y:.4f}<br>%{x}<extra></extra>",
         },
         {
             "type": "scatter",
-            "mode": "markers",
-            "name": "tokens/s (latest)",
+            "mode": "lines",
+            "name": "tokens/s",
             "x": x,
-            "y": [r["tokens_per_s"] for r in ranks],
+            "y": [tps for _, _, tps in samples],
             "yaxis": "y2",
-            "marker": {"color": "#76b7b2", "size": 8},
-            "hovertemplate": "%{x}: %{y:,.0f} tokens/s<extra></extra>",
+            "line": {"color": "#76b7b2"},
+            "hovertemplate": "%{y:,.0f} tokens/s<extra></extra>",
         },
     ]
     layout = {
         **BASE_LAYOUT,
-        "height": 260,
-        "uirevision": "rankmetrics",
-        "xaxis": {"title": {"text": "rank"}, "type": "category"},
-        "yaxis": {"title": {"text": "loss"}, "rangemode": "tozero"},
+        "height": 280,
+        "uirevision": "loss",
+        "xaxis": {"type": "date", "title": {"text": "time (UTC)"}},
+        "yaxis": {"title": {"text": "loss"}},
         "yaxis2": {
             "title": {"text": "tokens/s"},
             "overlaying": "y",

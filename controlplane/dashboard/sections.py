@@ -25,6 +25,7 @@ from controlplane.jobs.models import (
     Job,
     Rank,
     RestartCycle,
+    TrainingSample,
 )
 from trainer.wire import CheckpointState, Layer
 
@@ -532,8 +533,17 @@ def ranks_part(job: Job, now: datetime) -> dict:
     return {"rows": rows, "now": now.timestamp()}
 
 
+SAMPLES_SHOWN = 20_000  # the newest samples (about 11 hours at one per 2 s); older ones are not drawn
+
+
 def progress_part(job: Job, now: datetime) -> dict:
-    points: list[tuple[float, int]] = []
+    samples = list(
+        TrainingSample.objects.filter(job=job)
+        .order_by("-at")
+        .values_list(Epoch("at"), "step", "loss", "tokens_per_s")[:SAMPLES_SHOWN]
+    )
+    samples.reverse()
+    points: list[tuple[float, int]] = [(t, step) for t, step, _, _ in samples]
     if job.first_step_at:
         points.append((job.first_step_at.timestamp(), 1))
     points += [(r[0], r[7]) for r in _checkpoint_rows(job)]
@@ -547,14 +557,10 @@ def progress_part(job: Job, now: datetime) -> dict:
     if job.last_progress_at:
         points.append((job.last_progress_at.timestamp(), job.last_step))
     points.sort()
-    ranks = [
-        {"rank": r.rank, "loss": r.loss, "tokens_per_s": r.tokens_per_s}
-        for r in Rank.objects.filter(job=job).order_by("rank")
-    ]
     return {
         "progress": charts.progress_figure(points),
-        "per_rank": charts.rank_metrics_figure(ranks),
-        "has_ranks": bool(ranks),
+        "loss": charts.loss_figure([(t, loss, tps) for t, _, loss, tps in samples]),
+        "has_samples": bool(samples),
     }
 
 

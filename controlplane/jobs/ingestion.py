@@ -16,11 +16,12 @@ Plain functions, no HTTP: ``check_batch`` completes validation (per-kind event d
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from django.db import connection, transaction
+from django.db import DatabaseError, connection, transaction
 from django.db.models import Q
 
 from controlplane.jobs import heartbeats as hb_store
@@ -35,6 +36,7 @@ from controlplane.jobs.models import (
     JobStatus,
     Notification,
     RestartCycle,
+    TrainingSample,
 )
 from controlplane.jobs.services import set_status
 from trainer.wire import (
@@ -222,7 +224,31 @@ def _record(job: Job, beats: list[dict], events: list[Any], source: str, *, now:
             log.warning("heartbeat store failed (%s); writing job %s's heartbeats to the database", e, job.pk)
             with transaction.atomic():
                 hb_store.DbHeartbeatStore().record(job.pk, beats, timeouts, now=now)
+    if beats:
+        _maybe_sample(job, beats, now)
     return IngestResult(heartbeats=len(beats), events=n_new, duplicates=len(events) - n_new)
+
+
+SAMPLE_INTERVAL_S = 2.0
+_last_sample: dict[int, float] = {}  # job id -> monotonic time of this process's last sample
+
+
+def _maybe_sample(job: Job, beats: list[dict], now: datetime) -> None:
+    """Keep one heartbeat (the lowest rank's) every SAMPLE_INTERVAL_S per job and process, for the
+    loss and throughput charts. Best effort: a failure here never fails the batch."""
+    t = time.monotonic()
+    if t - _last_sample.get(job.pk, -1e9) < SAMPLE_INTERVAL_S:
+        return
+    b = min(beats, key=lambda b: b["rank"])
+    if b["phase"] != Phase.TRAIN:
+        return
+    _last_sample[job.pk] = t
+    try:
+        TrainingSample.objects.create(job_id=job.pk, at=hb_store.utc(b["at"]), rank=b["rank"], step=b["step"],
+                                      loss=b.get("loss"), step_time_s=b.get("step_time_s"),
+                                      tokens_per_s=b.get("tokens_per_s"))
+    except DatabaseError:
+        log.warning("could not store a training sample for job %s", job.pk, exc_info=True)
 
 
 def _maybe_running(job: Job, beats: list[dict]) -> None:

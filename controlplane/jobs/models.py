@@ -182,6 +182,23 @@ def deadline_for(phase: str, at: datetime, spec: dict) -> datetime:
     return at + timedelta(seconds=timeout)
 
 
+class TrainingSample(models.Model):
+    """Loss and throughput over time: one heartbeat kept every few seconds per job (ingestion samples
+    them), so charts have a history without storing every heartbeat."""
+
+    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="samples")
+    at = models.DateTimeField()
+    rank = models.IntegerField()
+    step = models.IntegerField()
+    loss = models.FloatField(null=True, blank=True)
+    step_time_s = models.FloatField(null=True, blank=True)
+    tokens_per_s = models.FloatField(null=True, blank=True)
+
+    class Meta:
+        indexes = [models.Index(fields=["job", "at"])]
+        ordering = ["job", "at"]
+
+
 class Event(models.Model):
     """Every accepted event, as sent (the raw facts). Unique per (job, event_id): retries are no-ops."""
 

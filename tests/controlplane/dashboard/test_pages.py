@@ -152,3 +152,18 @@ def test_it_prefills_every_preset(operator_client, preset):
     assert form.initial["name"] == preset
     if preset == "k8s-1b":
         assert form.initial["backend"] == "kubernetes" and form.initial["k8s_namespace"] == "unbroken"
+
+
+def test_it_draws_loss_history_from_training_samples(viewer_client):
+    from datetime import timedelta
+
+    from controlplane.jobs.models import TrainingSample
+
+    now = timezone.now()
+    job = make_job()
+    for i in range(5):
+        TrainingSample.objects.create(job=job, at=now - timedelta(seconds=10 - 2 * i), rank=0, step=10 + i,
+                                      loss=6.0 - i / 10, tokens_per_s=1000.0 + i)
+    body = viewer_client.get(reverse("dashboard:job_part", args=[job.pk, "progress"])).content.decode()
+    assert 'id="loss-data"' in body
+    assert "5.6" in body  # the newest loss value is in the figure data

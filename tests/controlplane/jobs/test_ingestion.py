@@ -201,3 +201,18 @@ def test_it_closes_an_in_process_cycle_that_escalated_to_the_launcher():
     assert gave_up.escalated_to == "a0-ij1"
     assert gave_up.recovery_s == pytest.approx(0.1, abs=1e-3)  # ends at its own last mark, not "now"
     assert RestartCycle.objects.get(job=job, key="a0-ij1").escalated_to == ""
+
+
+def test_it_keeps_one_training_sample_per_interval():
+    from controlplane.jobs.models import TrainingSample
+
+    job, _ = make_job()
+    ingestion._last_sample.pop(job.pk, None)
+    t = time.time()
+    record(job, heartbeats=[hb(1, 5, at=t, loss=3.0), hb(0, 5, at=t, loss=2.5)])
+    record(job, heartbeats=[hb(0, 6, at=t + 0.1, loss=2.4)])  # within the interval: not kept
+    s = TrainingSample.objects.get(job=job)
+    assert (s.rank, s.step, s.loss) == (0, 5, 2.5)
+    ingestion._last_sample[job.pk] -= ingestion.SAMPLE_INTERVAL_S
+    record(job, heartbeats=[hb(0, 7, at=t + 0.2, loss=2.3)])
+    assert list(TrainingSample.objects.filter(job=job).values_list("step", flat=True)) == [5, 7]
