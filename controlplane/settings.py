@@ -45,7 +45,7 @@ def env_float(name: str, default: float) -> float:
 
 DEBUG = env_bool("UNBROKEN_DEBUG", False)
 SECRET_KEY = env_secret("UNBROKEN_SECRET_KEY", DEFAULT_SECRET_KEY)
-if not DEBUG and SECRET_KEY == DEFAULT_SECRET_KEY and not env_bool("UNBROKEN_ALLOW_DEV_KEY", False):
+if not DEBUG and SECRET_KEY == DEFAULT_SECRET_KEY:
     raise ImproperlyConfigured(
         "UNBROKEN_SECRET_KEY is the default while UNBROKEN_DEBUG is false: set UNBROKEN_SECRET_KEY "
         "(or UNBROKEN_SECRET_KEY_FILE) to a long random value. `make up` does this for you."
@@ -156,6 +156,8 @@ CELERY_TASK_ROUTES = {
 }
 CELERY_TASK_DEFAULT_QUEUE = "default"
 WATCHDOG_INTERVAL_S = env_float("UNBROKEN_WATCHDOG_INTERVAL_S", 1.0)
+# With Redis, rank rows in the database trail the heartbeat store by at most about this long.
+HEARTBEAT_FLUSH_INTERVAL_S = env_float("UNBROKEN_HEARTBEAT_FLUSH_INTERVAL_S", 5.0)
 CELERY_BEAT_SCHEDULE = {
     "watchdog": {"task": "controlplane.jobs.tasks.watchdog", "schedule": WATCHDOG_INTERVAL_S},
     "send-notifications": {"task": "controlplane.jobs.tasks.send_notifications", "schedule": 5.0},
