@@ -20,6 +20,7 @@ from controlplane.jobs import services
 from controlplane.jobs.models import Job
 from controlplane.jobs.roles import is_operator
 from controlplane.jobs.spec import JobSpec, SpecError
+from controlplane.launchers import services as launch_services
 from trainer.wire import CommandKind
 
 MAX_BODY = 64 * 1024
@@ -103,6 +104,9 @@ def jobs(request: HttpRequest) -> JsonResponse:
         return _error(422, str(e), fields=e.errors)
     if data:
         return _error(422, f"unknown fields: {', '.join(sorted(data))}", fields={k: "unknown field" for k in data})
+    problems = launch_services.preflight(spec=spec)
+    if problems:
+        return _error(422, "cannot launch: " + "; ".join(problems), preflight=problems)
     job = services.create_job(name=name, spec=spec, created_by=user, remote_addr=request.META.get("REMOTE_ADDR"),
                               **notify)
     return JsonResponse(job_json(job), status=201)

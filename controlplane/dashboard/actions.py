@@ -22,6 +22,7 @@ from controlplane.jobs import services
 from controlplane.jobs.models import Job
 from controlplane.jobs.roles import is_operator
 from controlplane.jobs.spec import JobSpec
+from controlplane.launchers import services as launch_services
 
 
 def operator_required(view):
@@ -177,6 +178,11 @@ def job_new(request):
     if not form.is_valid():
         return render(request, "dashboard/job_new.html", {"form": form, "presets": presets}, status=400)
     spec: JobSpec = form.spec
+    problems = launch_services.preflight(spec=spec)
+    if problems:
+        for problem in problems:
+            form.add_error(None, f"Cannot launch: {problem}")
+        return render(request, "dashboard/job_new.html", {"form": form, "presets": presets}, status=400)
     if not _confirmed(request):
         return _confirm(
             request,

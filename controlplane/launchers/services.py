@@ -37,6 +37,14 @@ PENDING_TIMEOUT = timedelta(minutes=10)
 RELAUNCH_RETRY_AFTER = timedelta(seconds=30)
 
 
+def preflight(*, spec) -> list[str]:
+    """What would make launching this spec fail, as messages for the form or the API; empty when fine."""
+    try:
+        return get_launcher(spec.backend).preflight(Job(spec=spec.to_dict(), backend=spec.backend))
+    except (LaunchError, TransientLaunchError) as e:
+        return [str(e)]
+
+
 def start_attempt(*, job: Job) -> None:
     """Launch ``job.attempt`` with a freshly minted ingest token.
 

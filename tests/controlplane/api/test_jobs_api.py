@@ -115,3 +115,10 @@ def test_it_enforces_csrf_for_session_writes(operator):
     r = _post(c, "/api/v1/jobs", {"name": "x"})
     assert r.status_code == 403
     assert "CSRF" in r.json()["error"]
+
+
+def test_it_refuses_a_job_the_launcher_cannot_start(client, operator):
+    r = _post(client, "/api/v1/jobs", {"name": "big", "spec": {"preset": "1b"}}, **_basic("op"))
+    assert r.status_code == 422
+    assert any("needs GPUs" in p for p in r.json()["preflight"])
+    assert not Job.objects.exists()

@@ -222,3 +222,30 @@ def test_it_validates_kubernetes_fields_only_for_that_backend():
     data.update(k8s_namespace="team-a", backend="local", nodes=1)  # k8s fields ignored for local
     data["k8s_tolerations"] = "{still not json"
     assert c.post(reverse("dashboard:job_new"), data).status_code == 200
+
+
+def test_it_shows_launcher_preflight_problems_in_the_form():
+    from controlplane.dashboard.forms import JobForm
+    from controlplane.jobs.spec import DEMO_SPEC
+
+    c = login("op", operator=True)
+    data = {k: v for k, v in JobForm.initial_for(DEMO_SPEC, name="big").items() if v not in (False, None)}
+    data.update(preset="1b", confirmed="yes")
+    resp = c.post(reverse("dashboard:job_new"), data)
+    assert resp.status_code == 400
+    assert "Cannot launch: preset &#x27;1b&#x27; needs GPUs" in resp.content.decode()
+    assert not Job.objects.exists()
+
+
+def test_it_explains_a_missing_cluster_configuration(settings):
+    from controlplane.dashboard.forms import JobForm
+    from controlplane.jobs.spec import DEMO_SPEC
+
+    settings.KUBECONFIG = "/nonexistent/kubeconfig"
+    c = login("op", operator=True)
+    data = {k: v for k, v in JobForm.initial_for(DEMO_SPEC, name="k").items() if v not in (False, None)}
+    data.update(backend="kubernetes", drills="", confirmed="yes")
+    resp = c.post(reverse("dashboard:job_new"), data)
+    assert resp.status_code == 400
+    assert "no usable Kubernetes configuration" in resp.content.decode()
+    assert not Job.objects.exists()
