@@ -547,14 +547,23 @@ def progress_figure(points: list[tuple[float, int]]) -> dict:
             "hovertemplate": "%{y:.2f} steps/s<extra></extra>",
         },
     ]
-    layout = {
+    layout = _time_series_layout(uirevision="progress", y_title="step", y2_title="steps/s", y_from_zero=True)
+    return {"figure": {"data": traces, "layout": layout}}
+
+
+def _time_series_layout(*, uirevision: str, y_title: str, y2_title: str, y_from_zero: bool) -> dict:
+    """A time axis, a left axis and a right axis that starts at zero (the progress charts)."""
+    yaxis: dict = {"title": {"text": y_title}}
+    if y_from_zero:
+        yaxis["rangemode"] = "tozero"
+    return {
         **BASE_LAYOUT,
         "height": 280,
-        "uirevision": "progress",
+        "uirevision": uirevision,
         "xaxis": {"type": "date", "title": {"text": "time (UTC)"}},
-        "yaxis": {"title": {"text": "step"}, "rangemode": "tozero"},
+        "yaxis": yaxis,
         "yaxis2": {
-            "title": {"text": "steps/s"},
+            "title": {"text": y2_title},
             "overlaying": "y",
             "side": "right",
             "showgrid": False,
@@ -563,7 +572,6 @@ def progress_figure(points: list[tuple[float, int]]) -> dict:
         "legend": {"orientation": "h", "y": -0.3},
         "margin": {"l": 60, "r": 60, "t": 10, "b": 40},
     }
-    return {"figure": {"data": traces, "layout": layout}}
 
 
 def loss_figure(samples: list[tuple[float, float | None, float | None]]) -> dict:
@@ -594,20 +602,5 @@ def loss_figure(samples: list[tuple[float, float | None, float | None]]) -> dict
             "hovertemplate": "%{y:,.0f} tokens/s<extra></extra>",
         },
     ]
-    layout = {
-        **BASE_LAYOUT,
-        "height": 280,
-        "uirevision": "loss",
-        "xaxis": {"type": "date", "title": {"text": "time (UTC)"}},
-        "yaxis": {"title": {"text": "loss"}},
-        "yaxis2": {
-            "title": {"text": "tokens/s"},
-            "overlaying": "y",
-            "side": "right",
-            "showgrid": False,
-            "rangemode": "tozero",
-        },
-        "legend": {"orientation": "h", "y": -0.3},
-        "margin": {"l": 60, "r": 60, "t": 10, "b": 40},
-    }
+    layout = _time_series_layout(uirevision="loss", y_title="loss", y2_title="tokens/s", y_from_zero=False)
     return {"figure": {"data": traces, "layout": layout}}
