@@ -20,10 +20,18 @@ def celery_worker_thread():
     celery_app.conf.CELERY_BROKER_URL = "memory://"
     celery_app.conf.CELERY_BROKER_TRANSPORT_OPTIONS = {}
     celery_app.conf.task_always_eager = False
-    with start_worker(celery_app, pool="solo", perform_ping_check=False, queues=["default", "launch"],
-                      shutdown_timeout=30) as worker:
-        yield worker
-    celery_app.conf.update(saved)
+    _drop_connection_pools()  # producers cached by earlier tests would still publish to the old broker
+    try:
+        with start_worker(celery_app, pool="solo", perform_ping_check=False, queues=["default", "launch"],
+                          shutdown_timeout=30) as worker:
+            yield worker
+    finally:
+        celery_app.conf.update(saved)
+        _drop_connection_pools()
+
+
+def _drop_connection_pools():
+    celery_app._after_fork()  # what Celery does in a forked child: forget pooled connections and producers
 
 
 @pytest.fixture()
