@@ -150,9 +150,8 @@ def begin_job_restart(*, job: Job, reason: str, fault_at=None) -> RestartCycle:
     return cycle
 
 
-def mark_command(cmd: Command, status: str, detail: str = "") -> None:
-    now = timezone.now()
-    fields = {"status": status, "detail": detail[:2000]}
-    if status in (CommandStatus.ACKED, CommandStatus.DONE, CommandStatus.FAILED):
-        fields["acked_at"] = now
-    Command.objects.filter(pk=cmd.pk).update(**fields)
+def finish_command(*, command_id: int, detail: str) -> None:
+    """Mark a command carried out by the control plane (stop, job-level restart) as done, unless the
+    trainer already acknowledged it. One conditional UPDATE; a missing command is ignored."""
+    Command.objects.filter(pk=command_id).exclude(status__in=(CommandStatus.ACKED, CommandStatus.DONE)).update(
+        status=CommandStatus.DONE, detail=detail[:2000], acked_at=timezone.now())

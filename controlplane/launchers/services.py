@@ -16,14 +16,12 @@ from django.utils import timezone
 
 from controlplane.jobs.models import (
     ACTIVE_STATUSES,
-    Command,
-    CommandStatus,
     Fault,
     Job,
     JobStatus,
     RestartCycle,
 )
-from controlplane.jobs.services import begin_job_restart, mark_command, set_status
+from controlplane.jobs.services import begin_job_restart, finish_command, set_status
 from controlplane.launchers.base import LaunchError, LaunchFault, TransientLaunchError, get_launcher
 from trainer.wire import CommandKind, cycle_key
 
@@ -93,9 +91,7 @@ def stop_job_now(*, job_id: int, command_id: int | None, reason: str = "stopped 
         if job.attempt == stopped_attempt:
             break
     if command_id is not None:
-        cmd = Command.objects.filter(pk=command_id).first()
-        if cmd is not None and cmd.status not in (CommandStatus.ACKED, CommandStatus.DONE):
-            mark_command(cmd, CommandStatus.DONE, "processes stopped by the launcher")
+        finish_command(command_id=command_id, detail="processes stopped by the launcher")
 
 
 def restart_job_now(*, job_id: int, command_id: int | None, reason: str = "restart requested by an operator",
@@ -122,9 +118,7 @@ def restart_job_now(*, job_id: int, command_id: int | None, reason: str = "resta
         return False  # a stop arrived while the old attempt was being torn down
     start_attempt(job=job)
     if command_id is not None:
-        cmd = Command.objects.filter(pk=command_id).first()
-        if cmd is not None:
-            mark_command(cmd, CommandStatus.DONE, f"relaunched as attempt {job.attempt}")
+        finish_command(command_id=command_id, detail=f"relaunched as attempt {job.attempt}")
     return True
 
 

@@ -8,7 +8,7 @@ import psutil
 import pytest
 
 from controlplane.jobs import services
-from controlplane.jobs.models import Checkpoint, Fault, Job, JobStatus, Rank, RestartCycle
+from controlplane.jobs.models import Checkpoint, Command, Fault, Job, JobStatus, Rank, RestartCycle
 from controlplane.jobs.spec import Drill, JobSpec
 from controlplane.launchers.local import launch_tag
 from controlplane.launchers.services import supervise_all
@@ -89,6 +89,8 @@ def test_it_restarts_the_whole_job_and_stops_without_leftovers(e2e_settings, cel
         job.refresh_from_db()
         assert job.attempt == 1
         assert cycle.resumed_from_step is not None and cycle.resumed_from_step >= 10
+        restart = Command.objects.get(job=job, kind="restart")
+        assert (restart.status, restart.detail) == ("done", "relaunched as attempt 1")
 
         services.stop_job(job=job, requested_by=None, grace_s=1.0)
         wait_for(lambda: _status(job) == JobStatus.STOPPED, timeout_s=90, what="the job to stop")
