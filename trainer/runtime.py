@@ -12,6 +12,7 @@ Without ``trainer.launch`` (``python -m trainer`` alone) rank 0 hosts both at MA
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import logging
@@ -42,6 +43,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def free_port_block(n: int = 3, tries: int = 100) -> int:
+    """A port P with P..P+n-1 all free: standalone runs host their stores at MASTER_PORT+1 and +2."""
+    for _ in range(tries):
+        base = free_port()
+        if base + n > 65535:
+            continue
+        try:
+            with contextlib.ExitStack() as stack:
+                for port in range(base, base + n):
+                    sock = stack.enter_context(socket.socket())
+                    sock.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+    raise RuntimeError(f"no {n} consecutive free TCP ports on 127.0.0.1; set MASTER_PORT to a free block")
+
+
 @dataclass(kw_only=True, slots=True, frozen=True)
 class RankEnv:
     initial_rank: int
@@ -63,7 +81,7 @@ class RankEnv:
         env.setdefault("LOCAL_RANK", "0")
         env.setdefault("MASTER_ADDR", "127.0.0.1")
         if "MASTER_PORT" not in env:
-            env["MASTER_PORT"] = str(free_port())
+            env["MASTER_PORT"] = str(free_port_block())
         external = ENV_APP_STORE_PORT in env
         mport = int(env["MASTER_PORT"])
         return cls(

@@ -96,3 +96,14 @@ def test_it_refuses_what_the_installed_nvrx_cannot_run(monkeypatch):
 def test_it_filters_wrapper_kwargs_to_the_installed_release():
     kw = nvrx_compat.wrapper_kwargs(soft_timeout=1, hard_timeout=2, not_a_real_argument=3)
     assert kw == {"soft_timeout": 1, "hard_timeout": 2}
+
+
+def test_it_picks_a_master_port_whose_store_ports_are_free_too():
+    import socket
+
+    from trainer.runtime import free_port_block
+
+    base = free_port_block(3)
+    for port in range(base, base + 3):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))  # raises if the block was not free
