@@ -115,11 +115,23 @@ def machine_busy() -> float:
     return psutil.cpu_percent(interval=None)
 
 
-def server_pids(name: str) -> list[int]:
-    """Processes of a shared server (redis-server, postgres): their CPU includes other clients' work."""
+def server_cpu(name: str) -> dict[int, float]:
+    """CPU seconds so far of each process of a shared server (redis-server, postgres), by pid.
+
+    Their CPU includes other clients' work. Postgres forks a backend per connection, so compare two
+    of these with ``cpu_since`` (a backend that appears in between counts from zero).
+    """
     import psutil
 
-    return [p.pid for p in psutil.process_iter(["name"]) if (p.info["name"] or "").startswith(name)]
+    out = {}
+    for p in psutil.process_iter(["name", "cpu_times"]):
+        if (p.info["name"] or "").startswith(name) and p.info["cpu_times"] is not None:
+            out[p.pid] = p.info["cpu_times"].user + p.info["cpu_times"].system
+    return out
+
+
+def cpu_since(before: dict[int, float], after: dict[int, float]) -> float:
+    return sum(v - before.get(pid, 0.0) for pid, v in after.items())
 
 
 def one_run(args: argparse.Namespace, env: dict[str, str], run_no: int, tmp: Path) -> dict:
@@ -146,10 +158,9 @@ def one_run(args: argparse.Namespace, env: dict[str, str], run_no: int, tmp: Pat
     try:
         wait_http(f"http://127.0.0.1:{port}/api/v1/openapi.json")
         silent = args.ranks // 2 + 7
-        shared = {"redis": server_pids("redis-server"), "postgres": server_pids("postgres")}
+        shared = {"redis": server_cpu("redis-server"), "postgres": server_cpu("postgres")}
         cpu0 = {"server": cpu_seconds([server.pid]), "celery": cpu_seconds([worker.pid]),
-                "loadgen": cpu_seconds([os.getpid()], children=False),
-                **{k: cpu_seconds(v, children=False) for k, v in shared.items()}}
+                "loadgen": cpu_seconds([os.getpid()], children=False)}
         t_cpu = time.time()
         machine_busy()  # start the machine-wide CPU interval
         res = asyncio.run(loadgen.run(f"http://127.0.0.1:{port}", job.pk, token, ranks=args.ranks,
@@ -159,7 +170,8 @@ def one_run(args: argparse.Namespace, env: dict[str, str], run_no: int, tmp: Pat
         cpu = {"server": cpu_seconds([server.pid]) - cpu0["server"],
                "celery": cpu_seconds([worker.pid]) - cpu0["celery"],
                "loadgen": cpu_seconds([os.getpid()], children=False) - cpu0["loadgen"],
-               **{k: cpu_seconds(v, children=False) - cpu0[k] for k, v in shared.items()}}
+               "redis": cpu_since(shared["redis"], server_cpu("redis-server")),
+               "postgres": cpu_since(shared["postgres"], server_cpu("postgres"))}
         cpu_wall = time.time() - t_cpu
         busy = machine_busy()
         # Detection: the silent rank's fault row (the watchdog keeps running after the load).
@@ -191,6 +203,7 @@ def one_run(args: argparse.Namespace, env: dict[str, str], run_no: int, tmp: Pat
             "requests": res.sent, "ok": res.ok, "errors": res.errors, "max_sender_lag_s": res.max_lag_s,
             "false_lost": false_lost, "rank_rows": rows,
             "flush_lag_s": (flushed_at - res.finished) if flushed_at else float("nan"),
+            "worst_s": [(sec, round(lat * 1e3)) for sec, lat in res.worst_seconds()],
             "cpu_pct": {k: round(100 * v / cpu_wall) for k, v in cpu.items()},
             "machine_busy_pct": busy,
         }

@@ -32,6 +32,7 @@ class LoadResult:
     errors: dict[str, int] = field(default_factory=dict)
     heartbeats_ok: int = 0
     latencies_s: list[float] = field(default_factory=list)
+    due_s: list[float] = field(default_factory=list)  # each latency's scheduled send, seconds into the run
     started: float = 0.0
     finished: float = 0.0
     silent_last_at: float | None = None  # the silent rank's last heartbeat time (its clock = ours)
@@ -41,6 +42,13 @@ class LoadResult:
     @property
     def duration_s(self) -> float:
         return max(1e-9, self.finished - self.started)
+
+    def worst_seconds(self, n: int = 5) -> list[tuple[int, float]]:
+        """The ``n`` one-second windows with the highest maximum latency: (second into the run, max s)."""
+        worst: dict[int, float] = {}
+        for d, lat in zip(self.due_s, self.latencies_s, strict=True):
+            worst[int(d)] = max(worst.get(int(d), 0.0), lat)
+        return sorted(worst.items(), key=lambda kv: -kv[1])[:n]
 
     def pct(self, q: float) -> float:
         if not self.latencies_s:
@@ -159,6 +167,7 @@ async def run(url: str, job_id: int, token: str, *, ranks: int = 65536, batch_si
                 res.ok += 1
                 res.heartbeats_ok += n_beats
                 res.latencies_s.append(loop.time() - due)
+                res.due_s.append(due - measure_from)
             else:
                 res.errors[str(status)] = res.errors.get(str(status), 0) + 1
 
