@@ -61,5 +61,12 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def entry(*argv: str) -> None:
+    """One rank as a Python callable (``trainer.launch`` forks ranks from a warm fork server)."""
+    rc = main(list(argv))
+    if rc:
+        sys.exit(rc)
+
+
 if __name__ == "__main__":
     sys.exit(main())

@@ -273,8 +273,16 @@ def main(argv: list[str] | None = None) -> int:
     hooks = LauncherHooks(reporter=reporter, attempt=cfg.attempt, app_store=app_store, in_job=ns.in_job)
     if ns.in_job:
         hooks.install(nvrx_compat.launcher_agent_class())
-        run_launcher = nvrx_compat.launcher_main()
+        run_launcher = None
+        if os.environ.get("UNBROKEN_FORK_RANKS", "1") != "0":
+            from trainer.__main__ import entry
+
+            run_launcher = nvrx_compat.launcher_main_forked(entry, preload=["trainer.__main__"])
         name = f"ft_launcher (nvidia-resiliency-ext {nvrx_compat.version_str()})"
+        if run_launcher is None:
+            run_launcher = nvrx_compat.launcher_main()
+        else:
+            name += ", ranks forked from a warm fork server"
     else:
         from torch.distributed import run as torchrun
         from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent

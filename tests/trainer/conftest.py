@@ -139,7 +139,7 @@ class Run:
 
 def launch(run_dir: Path, *, trainer_flags: list[str], nproc: int = 2, in_job: bool = True,
            max_restarts: int = 2, report_url: str | None = None, attempt: int = 0, timeout_s: float = 240,
-           job_id: str = "job-1", token: str = "t0ken") -> Run:
+           job_id: str = "job-1", token: str = "t0ken", env: dict[str, str] | None = None) -> Run:
     port = free_port_block()
     cmd = [PYTHON, "-m", "trainer.launch", "--nnodes", "1", "--node-rank", "0", "--nproc-per-node", str(nproc),
            "--rdzv-endpoint", f"127.0.0.1:{port}", "--max-restarts", str(max_restarts),
@@ -148,7 +148,7 @@ def launch(run_dir: Path, *, trainer_flags: list[str], nproc: int = 2, in_job: b
     if report_url:
         cmd += ["--report-url", report_url, "--report-interval", "0.2"]
     t0 = time.monotonic()
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=child_env(UNBROKEN_TOKEN=token), stdout=subprocess.PIPE,
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=child_env(UNBROKEN_TOKEN=token, **(env or {})), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         out, _ = proc.communicate(timeout=timeout_s)

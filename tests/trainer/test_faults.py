@@ -47,6 +47,20 @@ def test_it_recovers_and_matches_the_uninterrupted_loss(tmp_path, receiver, base
     assert marks["fault_at"]["at"] <= marks["detected_at"]["at"] <= marks["first_step_at"]["at"]
     finished = receiver.events("rank_finished")
     assert sorted(e["rank"] for e in finished) == [0, 1]
+    started = [e["data"]["message"] for e in receiver.events("launcher") if e["data"]["message"].startswith("starting")]
+    assert started and all("ranks forked from a warm fork server" in m for m in started), started
+
+
+def test_ranks_start_as_fresh_processes_when_forking_is_off(tmp_path, receiver, baseline):
+    """UNBROKEN_FORK_RANKS=0: ft_launcher starts ``python -m trainer`` per rank (its stock path)."""
+    run = launch(tmp_path, trainer_flags=[*STEPS, "--drill", "12:sigkill:1"], report_url=receiver.url,
+                 env={"UNBROKEN_FORK_RANKS": "0"})
+    assert run.rc == 0, run.log[-4000:]
+    assert run.final_loss() == pytest.approx(baseline, rel=1e-5)
+    f = receiver.events("fault")[0]["data"]
+    assert (f["fault"], f["detected_by"], f["cycle"]) == ("process_killed", "launcher", "a0-ij1")
+    started = [e["data"]["message"] for e in receiver.events("launcher") if e["data"]["message"].startswith("starting")]
+    assert started and not any("fork server" in m for m in started), started
 
 
 def test_it_fails_the_job_when_no_layer_is_on(tmp_path, receiver):
