@@ -18,6 +18,7 @@ import datetime
 import logging
 import os
 import socket
+import threading
 from typing import Any, Callable, Iterator, Optional
 
 import psutil
@@ -102,6 +103,23 @@ def make_ft(env: RankEnv, mode: str) -> Any:
 
 
 # -- in-process: NVRx Wrapper and its hooks -------------------------------------------------------------
+
+
+def settle_checkpoint(checkpointer: Any, *, budget_s: float) -> None:
+    """Let an in-flight async save end (commit it if it completed, else report it abandoned) and
+    close the stager, waiting at most ``budget_s`` + 1 s: the Wrapper's finalize must end well inside
+    its hard timeout, or the restart escalates to ft_launcher. A save still stuck after that keeps
+    settling in the background; its checkpoint stays uncommitted unless every shard was written."""
+
+    def settle() -> None:
+        checkpointer.abandon(timeout_s=budget_s)
+        checkpointer.close()
+
+    t = threading.Thread(target=settle, name="checkpoint-settle", daemon=True)
+    t.start()
+    t.join(budget_s + 1.0)
+    if t.is_alive():
+        log.warning("the in-flight checkpoint is still settling after %.1f s; restarting without it", budget_s + 1.0)
 
 
 def shutdown_gloo_sockets(keep_ports: tuple[int, ...]) -> int:
@@ -200,8 +218,7 @@ def build_in_process_wrapper(session: Session) -> Any:
             if exc is not None and not _is_peer_error(exc):
                 session.record_fault(FaultClass.EXCEPTION, repr(exc))
             if session.checkpointer is not None:
-                session.checkpointer.abandon(timeout_s=5.0)
-                session.checkpointer.close()
+                settle_checkpoint(session.checkpointer, budget_s=min(5.0, cfg.hard_timeout / 4))
                 session.checkpointer = None
             session.ft.stop()
             return state
