@@ -73,6 +73,56 @@ def test_it_runs_a_drill_job_to_success_with_faults_and_cycles(e2e_settings, cel
         _cleanup(job)
 
 
+def _final_loss(job: Job) -> float | None:
+    for line in _log(job).splitlines():
+        if "FINAL_LOSS" in line:
+            return float(line.split("FINAL_LOSS", 1)[1].split()[0])
+    return None
+
+
+def _run_to_success(job: Job) -> None:
+    wait_for(lambda: _status(job) in (JobStatus.SUCCEEDED, JobStatus.FAILED), timeout_s=300,
+             what=f"job {job.pk} to finish")
+    assert job.status == JobStatus.SUCCEEDED, (job.status_reason, _log(job))
+
+
+def test_a_drill_of_every_fault_class_recovers_by_its_layer_to_the_clean_runs_loss(e2e_settings,
+                                                                                   celery_beat_thread):
+    """The issue's "done when": all layers on, a drill schedule of every fault class; the job ends with
+    the clean run's final loss and the control plane holds each fault, its layer and its phases."""
+    clean = _job(steps=70)
+    try:
+        _run_to_success(clean)
+        clean_loss = _final_loss(clean)
+        assert clean_loss is not None, _log(clean)
+    finally:
+        _cleanup(clean)
+    expected = {  # drill -> (fault class, layer)
+        "exception": (FaultClass.EXCEPTION, Layer.IN_PROCESS),
+        "nan_loss": (FaultClass.NAN_LOSS, Layer.IN_PROCESS),
+        "hang": (FaultClass.HANG, Layer.IN_PROCESS),
+        "hang_collective": (FaultClass.HANG, Layer.IN_PROCESS),
+        "sigkill": (FaultClass.PROCESS_KILLED, Layer.IN_JOB),
+    }
+    drills = tuple(Drill(step=15 + 10 * i, fault=f, rank=i % 2) for i, f in enumerate(expected))
+    job = _job(steps=70, drills=drills)
+    try:
+        _run_to_success(job)
+        assert _final_loss(job) == pytest.approx(clean_loss, rel=1e-5)
+        faults = list(Fault.objects.filter(job=job, cycle__isnull=False).select_related("cycle").order_by("at"))
+        got = [(f.fault_class, f.cycle.layer, f.rank) for f in faults]
+        assert got == [(*expected[d.fault], d.rank) for d in drills], got
+        for f in faults:
+            c = f.cycle
+            assert None not in (c.fault_at, c.detected_at, c.aborted_at, c.restarted_at, c.checkpoint_loaded_at,
+                                c.first_step_at), c.__dict__
+            assert c.fault_at <= c.detected_at <= c.first_step_at
+            assert 0 < c.recovery_s < 60
+        assert not Fault.objects.filter(job=job, fault_class=FaultClass.HEARTBEAT_LOST).exists()
+    finally:
+        _cleanup(job)
+
+
 def test_it_restarts_the_whole_job_and_stops_without_leftovers(e2e_settings, celery_beat_thread):
     job = _job(steps=100000, drills=())
     try:
