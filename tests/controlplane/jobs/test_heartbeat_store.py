@@ -29,7 +29,7 @@ def test_it_keeps_each_ranks_newest_beat_whatever_the_order(hb_store):
 
 def test_it_keeps_strings_that_look_like_its_own_separators(hb_store):
     job, _ = make_job(spec={"procs_per_node": 8})
-    odd = 'n[1,2]\n|"x",}{'
+    odd = 'n[1,2]\n|"x",}{"rank":9},{"' + '}'
     hb_store.record(job.pk, [hb(3, 1, node=odd, loss=1e-30, pid=7), hb(4, 1, node="plain")], TIMEOUTS, now=NOW)
     got = hb_store.freshest(job.pk, [3, 4])
     assert got[3].node == odd and got[3].loss == 1e-30 and got[3].pid == 7
