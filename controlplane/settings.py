@@ -155,7 +155,7 @@ CELERY_TASK_ROUTES = {
     "controlplane.jobs.tasks.*": {"queue": "default"},
 }
 CELERY_TASK_DEFAULT_QUEUE = "default"
-WATCHDOG_INTERVAL_S = env_float("UNBROKEN_WATCHDOG_INTERVAL_S", 1.0)
+WATCHDOG_INTERVAL_S = env_float("UNBROKEN_WATCHDOG_INTERVAL_S", 0.5)
 # With Redis, rank rows in the database trail the heartbeat store by at most about this long.
 HEARTBEAT_FLUSH_INTERVAL_S = env_float("UNBROKEN_HEARTBEAT_FLUSH_INTERVAL_S", 5.0)
 CELERY_BEAT_SCHEDULE = {

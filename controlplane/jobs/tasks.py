@@ -1,6 +1,6 @@
 """Celery adapters for supervision: thin, periodic, idempotent (beat schedule in settings).
 
-``watchdog`` runs every ``WATCHDOG_INTERVAL_S`` (1 s): lost, stalled, restart storms. With the Redis
+``watchdog`` runs every ``WATCHDOG_INTERVAL_S`` (0.5 s): lost, stalled, restart storms. With the Redis
 heartbeat store it also enqueues ``flush_heartbeats`` at most every ``HEARTBEAT_FLUSH_INTERVAL_S``
 (so no extra beat entry is needed; a beat entry for it would work as well).
 """
