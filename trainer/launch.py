@@ -209,10 +209,22 @@ class LauncherHooks:
             self.mark(cycle, CycleMark.DETECTED, at=detected_at)
 
 
-def sweep_children(timeout_s: float = 5.0) -> None:
-    """Terminate whatever is left of this process's tree (workers start their own sessions)."""
+def _is_resource_tracker(p: psutil.Process) -> bool:
     try:
-        children = psutil.Process().children(recursive=True)
+        return "multiprocessing.resource_tracker" in " ".join(p.cmdline())
+    except psutil.Error:
+        return False
+
+
+def sweep_children(timeout_s: float = 5.0) -> None:
+    """Terminate whatever is left of this process's tree (workers start their own sessions).
+
+    Spared: multiprocessing's resource tracker, which exits by itself once this process and the
+    fork server are gone (killing it first made this process's exit handlers relaunch it and print
+    a KeyError traceback per semaphore into the job log).
+    """
+    try:
+        children = [c for c in psutil.Process().children(recursive=True) if not _is_resource_tracker(c)]
     except psutil.Error:
         return
     for c in children:
