@@ -49,3 +49,30 @@ def e2e_settings(settings, live_server, tmp_path):
     settings.DATA_DIR = tmp_path / "data"
     settings.DATA_DIR.mkdir()
     return settings
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    """Before the last test's teardown drops the test database: end the Postgres sessions that
+    server threads (the ingest fast path's thread, live servers) keep open for good, so the drop
+    does not warn that the database "is being accessed by other users"."""
+    if nextitem is None:
+        _end_stray_test_db_sessions()
+    yield
+
+
+def _end_stray_test_db_sessions() -> None:
+    from django.db import connections
+
+    conn = connections["default"]
+    if conn.vendor != "postgresql" or not str(conn.settings_dict.get("NAME", "")).startswith("test_"):
+        return
+    import psycopg
+
+    mine = conn.connection.info.backend_pid if conn.connection is not None else 0  # the test's own
+    try:
+        with psycopg.connect(**conn.get_connection_params(), autocommit=True) as own:
+            own.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                        "WHERE datname = current_database() AND pid <> pg_backend_pid() AND pid <> %s", [mine])
+    except psycopg.Error:
+        pass  # nothing to end, or the server is gone: the drop reports what it finds
