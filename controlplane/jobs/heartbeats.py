@@ -13,9 +13,10 @@ Two stores with one interface (``record``, ``flush``, ``overdue``, ``freshest``,
 Accepted trade-offs (Redis store):
 
 - ``Rank`` rows and ``Job.last_step/max_step/last_progress_at`` (so the dashboard and stall detection)
-  lag Redis by up to one flush interval plus the flush's duration (5 s by default; a 100,000-rank flush
-  is ~1 s of CPU, paced to half duty, so ~2 s of wall time; under heavy load longer). Heartbeat-lost detection does not lag: the watchdog reads deadlines from Redis and
-  writes a rank's freshest state before it claims it.
+  lag Redis by up to one flush interval plus the flush's duration (5 s by default; a 100,000-rank
+  flush is ~1 s of CPU, paced to half duty, so ~2 s of wall time, longer under heavy load).
+  Heartbeat-lost detection does not lag: the watchdog reads deadlines from Redis and writes a rank's
+  freshest state before it claims it.
 - ``Rank.step_changed_at`` is exact to one flush interval (the flush sees the step change, not the beat
   that made it); stall timeouts are minutes.
 - Redis runs without persistence in the reference set-up. If it restarts empty, the flushed rows remain
@@ -537,7 +538,8 @@ class RedisHeartbeatStore:
                     newest[r] = st
             if cursor == 0:
                 break
-            self.redis.pexpire(self.FLUSH_LOCK, 60_000)  # still ours, still working
+            if self.redis.get(self.FLUSH_LOCK) == token.encode():
+                self.redis.pexpire(self.FLUSH_LOCK, 60_000)  # still ours, still working
             time.sleep((time.monotonic() - t0) * (1 - self.FLUSH_DUTY) / self.FLUSH_DUTY)
         top, first_train = self.progress(job_id)
         update_job_progress(job_id, newest.values(), top=top, first_train=first_train)

@@ -154,7 +154,7 @@ def one_run(args: argparse.Namespace, env: dict[str, str], run_no: int, tmp: Pat
          "--log-level", "warning", "--backlog", "2048"],
         cwd=ROOT, env=env, start_new_session=True)
     worker = subprocess.Popen(
-        [*(["nice", "-n", str(args.worker_nice)] if args.worker_nice else []), PY, "-m", "celery", "-A", "controlplane", "worker", "-B", "-Q", "default,launch", "-c",
+        [PY, "-m", "celery", "-A", "controlplane", "worker", "-B", "-Q", "default,launch", "-c",
          str(args.celery_concurrency), "--loglevel", "WARNING", "-s", str(tmp / f"beat-{run_no}"),
          "--without-gossip", "--without-mingle", "--without-heartbeat"],
         cwd=ROOT, env=env, start_new_session=True)
@@ -235,7 +235,6 @@ def main() -> None:
                    help="the job's step_timeout_s (production default 30; shorter so the loss lands in the run)")
     p.add_argument("--workers", type=int, default=2, help="uvicorn worker processes")
     p.add_argument("--celery-concurrency", type=int, default=2)
-    p.add_argument("--worker-nice", type=int, default=0, help="run the Celery worker at this nice level")
     args = p.parse_args()
 
     db_url = os.environ.get("DATABASE_URL") or DEFAULT_DB
