@@ -408,6 +408,12 @@ return n
 """
 
 
+def _keep_newest(into: dict[int, RankState], st: RankState) -> None:
+    prev = into.get(st.rank)
+    if prev is None or st.at > prev.at:
+        into[st.rank] = st
+
+
 def _state(raw: bytes) -> RankState:
     return RankState.of(orjson.loads(raw[raw.find(b"|") + 1:]))
 
@@ -526,16 +532,11 @@ class RedisHeartbeatStore:
             cursor, part = self.redis.hscan(key, cursor, count=self.FLUSH_SLICE)
             states: dict[int, RankState] = {}  # HSCAN may return a field twice: the newest wins
             for raw in part.values():
-                st = _state(raw)
-                prev = states.get(st.rank)
-                if prev is None or st.at > prev.at:
-                    states[st.rank] = st
+                _keep_newest(states, _state(raw))
             with transaction.atomic():
                 n += upsert_ranks(job_id, states.values(), timeouts, now=now)
-            for r, st in states.items():
-                prev = newest.get(r)
-                if prev is None or st.at > prev.at:
-                    newest[r] = st
+            for st in states.values():
+                _keep_newest(newest, st)
             if cursor == 0:
                 break
             if self.redis.get(self.FLUSH_LOCK) == token.encode():

@@ -50,3 +50,19 @@ def test_an_empty_batch_writes_nothing(hb_store):
     job, _ = make_job()
     hb_store.record(job.pk, [], TIMEOUTS, now=NOW)
     assert hb_store.redis.exists(*hb_store.keys(job.pk)) == 0
+
+
+def test_a_flush_in_slices_writes_every_rank_and_the_jobs_progress(hb_store):
+    from controlplane.jobs.models import Job, Rank
+
+    job, _ = make_job(spec={"procs_per_node": 3000})
+    hb_store.FLUSH_SLICE, hb_store.FLUSH_DUTY = 400, 1.0  # several HSCAN steps, no pauses
+    t = time.time()
+    for lo in range(0, 3000, 500):
+        hb_store.record(job.pk, [hb(r, 10 + r % 7, at=t) for r in range(lo, lo + 500)], TIMEOUTS, now=NOW)
+    assert hb_store.flush() == 3000
+    assert Rank.objects.filter(job=job).count() == 3000
+    assert set(Rank.objects.filter(job=job).values_list("rank", "last_step")) == {
+        (r, 10 + r % 7) for r in range(3000)}
+    job = Job.objects.get(pk=job.pk)
+    assert job.max_step == 16
