@@ -12,12 +12,10 @@ Without ``trainer.launch`` (``python -m trainer`` alone) rank 0 hosts both at MA
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import json
 import logging
 import os
-import socket
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -26,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from trainer.config import TrainConfig
+from trainer.ports import free_port_block
 from trainer.reporter import Reporter
 from trainer.wire import CycleMark, EventKind, FaultClass, Layer, cycle_key
 
@@ -35,29 +34,6 @@ ENV_STORE_HOST = "UNBROKEN_STORE_HOST"
 ENV_APP_STORE_PORT = "UNBROKEN_APP_STORE_PORT"
 ENV_WRAPPER_STORE_PORT = "UNBROKEN_WRAPPER_STORE_PORT"
 ENV_IN_JOB = "UNBROKEN_IN_JOB"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def free_port_block(n: int = 3, tries: int = 100) -> int:
-    """A port P with P..P+n-1 all free: standalone runs host their stores at MASTER_PORT+1 and +2."""
-    for _ in range(tries):
-        base = free_port()
-        if base + n > 65535:
-            continue
-        try:
-            with contextlib.ExitStack() as stack:
-                for port in range(base, base + n):
-                    sock = stack.enter_context(socket.socket())
-                    sock.bind(("127.0.0.1", port))
-            return base
-        except OSError:
-            continue
-    raise RuntimeError(f"no {n} consecutive free TCP ports on 127.0.0.1; set MASTER_PORT to a free block")
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -27,6 +26,7 @@ from django.conf import settings
 from controlplane.jobs.models import Job
 from controlplane.launchers.base import LaunchError, LaunchFault, PollResult
 from controlplane.launchers.command import launch_args
+from trainer.ports import free_port_block
 from trainer.wire import FaultClass
 
 _SHELL = 'echo $$ > "$UNBROKEN_PID_FILE"; "$@"; echo $? > "$UNBROKEN_EXIT_FILE"'
@@ -36,29 +36,12 @@ def run_dir(job: Job) -> Path:
     return Path(settings.DATA_DIR) / "jobs" / str(job.pk)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _free_port_block(n: int = 4, tries: int = 50) -> int:
-    """A base port with ``n`` consecutive free ports (rdzv, app store, wrapper store, ...)."""
-    for _ in range(tries):
-        base = _free_port()
-        if base + n >= 65535:
-            continue
-        ok = True
-        for p in range(base, base + n):
-            with socket.socket() as s:
-                try:
-                    s.bind(("127.0.0.1", p))
-                except OSError:
-                    ok = False
-                    break
-        if ok:
-            return base
-    raise LaunchError("no block of free TCP ports on 127.0.0.1; free some ports and retry")
+def _free_port_block() -> int:
+    """A base port with 4 consecutive free ports (rdzv, app store, wrapper store, ...)."""
+    try:
+        return free_port_block(4, tries=50)
+    except OSError as e:
+        raise LaunchError(f"{e}; free some ports and retry") from e
 
 
 def launch_tag(job: Job) -> str:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import http.server
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -15,6 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from trainer.ports import free_port, free_port_block
 
 ROOT = Path(__file__).resolve().parents[2]
 PYTHON = sys.executable
@@ -86,33 +87,6 @@ class Receiver:
     def heartbeats(self) -> list[dict[str, Any]]:
         with self.lock:
             return [h for b in self.batches for h in b.get("heartbeats", [])]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def free_port_block(n: int = 3) -> int:
-    """A port P with P..P+n-1 all free (rdzv, app store, Wrapper store)."""
-    for _ in range(200):
-        p = free_port()
-        if p + n >= 65535:
-            continue
-        socks = []
-        try:
-            for i in range(n):
-                s = socket.socket()
-                s.bind(("127.0.0.1", p + i))
-                socks.append(s)
-            return p
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError("no free port block")
 
 
 def child_env(**extra: str) -> dict[str, str]:

@@ -101,7 +101,7 @@ def test_it_filters_wrapper_kwargs_to_the_installed_release():
 def test_it_picks_a_master_port_whose_store_ports_are_free_too():
     import socket
 
-    from trainer.runtime import free_port_block
+    from trainer.ports import free_port_block
 
     base = free_port_block(3)
     for port in range(base, base + 3):
