@@ -24,7 +24,6 @@ import os
 import random
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -40,6 +39,8 @@ sys.path.insert(0, str(ROOT))
 DATA_DIR = ROOT / "var" / "bench-dashboard"
 POLL_S = 0.5
 RANKS = 64
+
+from trainer.ports import free_port  # noqa: E402  (after the path set-up)
 
 
 def setup_django() -> None:
@@ -231,12 +232,6 @@ def measure_page(job, user, *, requests: int) -> tuple[float, list[float]]:
         f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores"
     )
     return statistics.median(times), times
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_up(url: str, timeout_s: float = 30.0) -> None:

@@ -27,7 +27,6 @@ import asyncio
 import os
 import secrets
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -42,18 +41,13 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import loadgen  # noqa: E402
+from trainer.ports import free_port  # noqa: E402
 
 PY = sys.executable
 DEFAULT_DB = "postgres://postgres@127.0.0.1:5432/unbroken_bench"
 DEFAULT_REDIS = "redis://127.0.0.1:6379/9"
 # The production app: Django with the ingest fast path in front (controlplane/ingest/asgi.py).
 ASGI_APP = "controlplane.ingest.asgi:application"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def ensure_database(url: str) -> None:

@@ -7,7 +7,6 @@ shared test database); they skip without it.
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,17 +19,12 @@ from django.db import connection
 from controlplane.jobs import heartbeats, supervision
 from controlplane.jobs.models import Event, Fault, Rank
 from tests.controlplane.conftest import make_job, needs_postgres
+from trainer.ports import free_port
 from trainer.reporter import HttpReporter
 from trainer.wire import EventKind
 
 ROOT = Path(__file__).resolve().parents[3]
 pytestmark = [needs_postgres(), pytest.mark.django_db(transaction=True), pytest.mark.postgres]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Server:
