@@ -10,11 +10,13 @@ export PYTHONPATH := $(CURDIR)
 
 .PHONY: up install test test-fast bench-ingest bench-recovery bench-checkpoint bench-dashboard k8s-e2e clean
 
-$(VENV)/.installed: requirements.lock
+$(VENV)/.installed: requirements.lock trainer/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip
 	# torch is pinned to 2.13.0 in the lock: an unpinned torch would pull a multi-GB CUDA build.
 	$(VENV)/bin/pip install -q -r requirements.lock
+	# The training-side SDK (`import unbroken`), editable, as users install it: pip install ./trainer
+	$(VENV)/bin/pip install -q --no-deps --no-build-isolation -e ./trainer
 	touch $@
 
 install: $(VENV)/.installed

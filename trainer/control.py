@@ -79,17 +79,25 @@ class CommandInbox:
                     self._pending.setdefault(cid, c)
 
     def take(self) -> dict[str, Any] | None:
+        cmd = self.peek()
+        if cmd is not None:
+            self.done(int(cmd["id"]))
+        return cmd
+
+    def peek(self) -> dict[str, Any] | None:
+        """The oldest pending command, left pending."""
         with self._lock:
-            if not self._pending:
-                return None
-            cid = min(self._pending)
-            cmd = self._pending.pop(cid)
+            return self._pending[min(self._pending)] if self._pending else None
+
+    def done(self, cid: int) -> None:
+        """Never offer ``cid`` again, in this process or the next one of this rank."""
+        with self._lock:
+            self._pending.pop(cid, None)
             self._done.add(cid)
             tmp = f"{self._path}.tmp"
             with open(tmp, "w", encoding="utf-8") as f:
                 json.dump(sorted(self._done), f)
             os.replace(tmp, self._path)
-            return cmd
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -191,6 +199,14 @@ class Drills:
                 self._remember(d.key)
                 self.fire(d.fault, rank=rank, hang_pg=hang_pg, world_size=world_size,
                           message=f"drill {d.key}")
+
+    def due(self, step: int, *, rank: int) -> list[Drill]:
+        """Drills for ``rank`` at or before ``step`` not fired yet, marked fired (user code reports
+        steps when it likes, so a drill fires at the first report at or past its step)."""
+        out = [d for d in self._drills if d.step <= step and d.rank in (rank, ALL_RANKS) and d.key not in self._fired]
+        for d in out:
+            self._remember(d.key)
+        return out
 
     def fire(self, fault: DrillFault, *, rank: int, hang_pg: Any, world_size: int, message: str) -> None:
         log.warning("rank %s: injecting %s (%s)", rank, fault, message)

@@ -3,6 +3,12 @@
     python -m trainer.launch --nnodes N --node-rank R --nproc-per-node P --rdzv-endpoint HOST:PORT \\
         --max-restarts K [--in-job|--no-in-job] --run-dir DIR --job-id ID --attempt A -- <trainer flags>
 
+    python -m trainer.launch ... --entrypoint train.py [--workdir DIR] -- <trainer flags> -- <script args>
+
+With ``--entrypoint`` the ranks run the user's own code (``trainer.shim``) instead of the built-in model;
+a script that cannot start (syntax error, missing import) ends the launch once with exit status 3 and
+its traceback as a fault, instead of a restart per round.
+
 What it does, in order:
 
 1. Validates the trainer flags (same parser as ``python -m trainer``) and the layer timeouts, and refuses
@@ -58,7 +64,13 @@ def build_parser() -> argparse.ArgumentParser:
     a("--run-dir", default=None)
     a("--job-id", default=None)
     a("--attempt", type=int, default=None)
+    a("--entrypoint", default=None, help="the user's code: train.py | pkg.module | pkg.module:function")
+    a("--workdir", default=None, help="run the user's code in this directory")
     return p
+
+
+# Exit status of a launch whose user code cannot start (retrying it cannot help); 2 = bad flags.
+EXIT_CANNOT_START = 3
 
 
 def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str], TrainConfig]:
@@ -68,6 +80,10 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str], TrainConfig]:
     else:
         own, trainer_args = argv, []
     ns = build_parser().parse_args(own)
+    ns.user_args = []
+    if ns.entrypoint is not None and "--" in trainer_args:
+        i = trainer_args.index("--")
+        trainer_args, ns.user_args = trainer_args[:i], trainer_args[i + 1:]
     for flag, v in (("--nnodes", ns.nnodes), ("--nproc-per-node", ns.nproc_per_node)):
         if v < 1:
             raise ValueError(f"{flag} must be >= 1")
@@ -85,8 +101,44 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str], TrainConfig]:
             trainer_args = [*trainer_args, flag, str(v)]
     cfg = parse_config(trainer_args)
     cfg.check_layers(in_job=ns.in_job, world_size=ns.nnodes * ns.nproc_per_node)
+    if ns.entrypoint is not None and cfg.in_process:
+        raise ValueError("--entrypoint: in-process restart needs the SDK's entrypoint function; pass --no-in-process")
+    if ns.workdir is not None and not os.path.isdir(ns.workdir):
+        raise ValueError(f"--workdir {ns.workdir}: no such directory")
     nvrx_compat.check_supported(in_process=cfg.in_process, in_job=ns.in_job, ft_mode=cfg.ft_mode)
     return ns, trainer_args, cfg
+
+
+def rank_program(ns: argparse.Namespace, trainer_args: list[str]) -> list[str]:
+    """What each rank runs: ``-m trainer <flags>``, or the user's code under ``trainer.shim``."""
+    if ns.entrypoint is None:
+        return ["-m", "trainer", *trainer_args]
+    return ["-m", "trainer.shim", *trainer_args, "--", ns.entrypoint, *ns.user_args]
+
+
+def check_entrypoint(entrypoint: str) -> str:
+    """Why the user's code cannot start (missing script, syntax error, unknown package), with the
+    traceback; "" when it may. Runs before any rank starts; nothing of the user's code executes."""
+    import importlib.util
+    import traceback
+
+    if entrypoint.endswith(".py"):
+        if not os.path.isfile(entrypoint):
+            return f"the script {entrypoint} does not exist in {os.getcwd()}"
+        try:
+            with open(entrypoint, "rb") as f:
+                compile(f.read(), entrypoint, "exec")
+        except SyntaxError as e:
+            return f"{entrypoint} does not compile: " + "".join(traceback.format_exception_only(e)).strip()
+        return ""
+    top = entrypoint.partition(":")[0].split(".")[0]
+    sys.path.insert(0, os.getcwd())
+    try:
+        if importlib.util.find_spec(top) is None:
+            return f"no module {top!r} in {os.getcwd()} or the installed packages"
+    finally:
+        sys.path.pop(0)
+    return ""
 
 
 def launcher_args(ns: argparse.Namespace, cfg: TrainConfig, trainer_args: list[str]) -> list[str]:
@@ -94,7 +146,7 @@ def launcher_args(ns: argparse.Namespace, cfg: TrainConfig, trainer_args: list[s
               "--rdzv-backend=c10d", f"--rdzv-endpoint={ns.rdzv_endpoint}",
               f"--rdzv-id={cfg.job_id or 'unbroken'}-a{cfg.attempt}", f"--monitor-interval={MONITOR_INTERVAL_S}"]
     if not ns.in_job:
-        return [*common, "--max-restarts=0", "-m", "trainer", *trainer_args]
+        return [*common, "--max-restarts=0", *rank_program(ns, trainer_args)]
     ft: dict[str, str] = {
         "workload_check_interval": str(MONITOR_INTERVAL_S),
         "initial_rank_heartbeat_timeout": str(cfg.startup_timeout),
@@ -112,7 +164,7 @@ def launcher_args(ns: argparse.Namespace, cfg: TrainConfig, trainer_args: list[s
         flag = nvrx_compat.launcher_flag(name)
         if flag is not None:
             out.append(f"{flag}={value}")
-    return [*out, "-m", "trainer", *trainer_args]
+    return [*out, *rank_program(ns, trainer_args)]
 
 
 class LauncherHooks:
@@ -125,6 +177,7 @@ class LauncherHooks:
     def __init__(self, *, reporter: Reporter, attempt: int, app_store: Any, in_job: bool):
         self.reporter, self.attempt, self.app_store, self.in_job = reporter, attempt, app_store, in_job
         self.restarting_cycle: str | None = None
+        self.cannot_start = False  # the user's code failed before training started: no more rounds
         self._reported: set[tuple[int, str]] = set()
 
     def install(self, agent_cls: Any) -> None:
@@ -176,6 +229,11 @@ class LauncherHooks:
         if (round_, result.state.name) in self._reported:  # the agent may look twice before giving up
             return
         self._reported.add((round_, result.state.name))
+        facts = take_fault(self.app_store, round_) or {}
+        if facts.get("fatal"):
+            # The same code fails the same way in every round: end the launch now.
+            self.cannot_start = True
+            agent._remaining_restarts = remaining = 0
         failures = {int(r): {"exitcode": f.exitcode, "signal": f.signal_name(), "pid": f.pid,
                              "local_rank": f.local_rank} for r, f in result.failures.items()}
         desc = ", ".join(f"rank {r}: exit {f['exitcode']}" + (f" ({f['signal']})" if f["signal"] else "")
@@ -187,7 +245,6 @@ class LauncherHooks:
                           else "no restarts left"),
             "state": result.state.name, "failures": failures, "restart_count": round_,
             "remaining_restarts": remaining}, rank=None)
-        facts = take_fault(self.app_store, round_) or {}
         if facts.get("kind") == "command" and will_restart:
             self.restarting_cycle = cycle_key(attempt=self.attempt, restart_count=round_ + 1)
             self.mark(self.restarting_cycle, CycleMark.DETECTED, at=detected_at)
@@ -201,12 +258,16 @@ class LauncherHooks:
             "fault": fault, "cycle": cycle, "detected_by": "launcher", "rank": rank,
             "interruption": f"exit {failures[first]['exitcode']}" + (f" {sig}" if sig else "") if first is not None
             else result.state.name,
-            "message": facts.get("message") or desc}, rank=rank)
+            "message": _with_traceback(facts.get("message") or desc, facts.get("traceback"))}, rank=rank)
         if cycle:
             self.restarting_cycle = cycle
             if facts.get("at"):
                 self.mark(cycle, CycleMark.FAULT, at=float(facts["at"]))
             self.mark(cycle, CycleMark.DETECTED, at=detected_at)
+
+
+def _with_traceback(message: str, tb: str | None) -> str:
+    return f"{message}\n\n{tb}"[:4000] if tb else message
 
 
 def _is_resource_tracker(p: psutil.Process) -> bool:
@@ -256,7 +317,10 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
 
+    cfg.run_dir = os.path.abspath(cfg.run_dir)
     os.makedirs(cfg.run_dir, exist_ok=True)
+    if ns.workdir:
+        os.chdir(ns.workdir)  # the ranks (and the fork server) inherit it
     app_port, wrapper_port = ns.rdzv_port + APP_STORE_OFFSET, ns.rdzv_port + WRAPPER_STORE_OFFSET
     os.environ.update({
         "UNBROKEN_RUN_DIR": cfg.run_dir, "UNBROKEN_JOB_ID": cfg.job_id, "UNBROKEN_ATTEMPT": str(cfg.attempt),
@@ -283,13 +347,22 @@ def main(argv: list[str] | None = None) -> int:
                              source=f"launcher:{ns.node_rank}" if ns.nnodes > 1 else "launcher", rank=None,
                              spool_dir=cfg.spool_dir, interval_s=cfg.report_interval)
     hooks = LauncherHooks(reporter=reporter, attempt=cfg.attempt, app_store=app_store, in_job=ns.in_job)
+    problem = check_entrypoint(ns.entrypoint) if ns.entrypoint is not None and ns.node_rank == 0 else ""
+    if problem:
+        log.error("cannot start %s: %s", ns.entrypoint, problem)
+        reporter.event(EventKind.FAULT, {"fault": FaultClass.EXCEPTION, "detected_by": "launcher", "message": (
+            f"the code failed before training started ({problem}); fix it and start a new job")[:4000]}, rank=None)
+        reporter.close(timeout_s=10.0)
+        return EXIT_CANNOT_START
     if ns.in_job:
         hooks.install(nvrx_compat.launcher_agent_class())
         run_launcher = None
         if os.environ.get("UNBROKEN_FORK_RANKS", "1") != "0":
-            from trainer.__main__ import entry
-
-            run_launcher = nvrx_compat.launcher_main_forked(entry, preload=["trainer.__main__"])
+            if ns.entrypoint is None:
+                from trainer.__main__ import entry
+            else:
+                from trainer.shim import entry
+            run_launcher = nvrx_compat.launcher_main_forked(entry, preload=[entry.__module__])
         name = f"ft_launcher (nvidia-resiliency-ext {nvrx_compat.version_str()})"
         if run_launcher is None:
             run_launcher = nvrx_compat.launcher_main()
@@ -320,6 +393,8 @@ def main(argv: list[str] | None = None) -> int:
         log.exception("launcher failed")
         rc = 1
     finally:
+        if hooks.cannot_start:
+            rc = EXIT_CANNOT_START
         sweep_children()
         reporter.event(EventKind.LAUNCHER, {
             "message": f"launcher exiting with status {rc} after {time.monotonic() - t0:.1f} s",

@@ -94,6 +94,15 @@ def fault_key(restart_count: int) -> str:
     return f"unbroken/fault/ij{restart_count}"
 
 
+def record_fault_facts(store: Any, restart_count: int, rec: dict[str, Any]) -> None:
+    """Leave a fault's facts for whoever reports the cycle (the launcher, or rank 0 in process); the
+    first record of a round wins."""
+    try:
+        store.compare_set(fault_key(restart_count), "", json.dumps(rec))
+    except Exception:
+        log.warning("could not record fault facts in the app store", exc_info=True)
+
+
 def take_fault(store: Any, restart_count: int) -> dict[str, Any] | None:
     """Consume the fault facts recorded by the faulty rank in round ``restart_count`` (first wins)."""
     key = fault_key(restart_count)
@@ -148,7 +157,4 @@ class Session:
         """Leave the facts only the faulty rank knows (class, time) for whoever reports the cycle."""
         rec = {"fault": str(fault), "rank": RankEnv.rank(), "at": time.time(), "iteration": self.iteration,
                "message": message[:500], "kind": kind}
-        try:
-            self.app_store.compare_set(fault_key(self.env.restart_count), "", json.dumps(rec))
-        except Exception:
-            log.warning("could not record fault facts in the app store", exc_info=True)
+        record_fault_facts(self.app_store, self.env.restart_count, rec)

@@ -49,6 +49,8 @@ class Phase(StrEnum):
     TRAIN = "train"
     CHECKPOINT_SAVE = "checkpoint_save"
     CHECKPOINT_LOAD = "checkpoint_load"
+    EVAL = "eval"  # a slow phase: the checkpoint timeout applies
+    DATA = "data"
     RESTARTING = "restarting"
     STOPPED = "stopped"
 
@@ -124,6 +126,8 @@ class EventKind(StrEnum):
     - ``checkpoint``: step, mode, state, blocking_s, write_s, bytes
     - ``command_ack``: command_id, ok (bool), detail
     - ``launcher``: message (free-form facts only the launcher sees: exit codes, signals)
+    - ``integration``: level (0 unmodified script, 1 SDK calls, 2 SDK entrypoint), entrypoint, sdk,
+      torch, nvrx (versions) - sent by each rank of a job that runs the user's own code
     """
 
     RANK_STARTED = "rank_started"
@@ -133,6 +137,7 @@ class EventKind(StrEnum):
     CHECKPOINT = "checkpoint"
     COMMAND_ACK = "command_ack"
     LAUNCHER = "launcher"
+    INTEGRATION = "integration"
 
 
 def cycle_key(*, attempt: int = 0, restart_count: int | None = None, iteration: int | None = None) -> str:

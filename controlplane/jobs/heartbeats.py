@@ -46,7 +46,7 @@ log = logging.getLogger(__name__)
 
 _STOPPED = Phase.STOPPED.value
 _TRAIN = Phase.TRAIN.value
-_SLOW_PHASES = frozenset(p.value for p in (Phase.CHECKPOINT_SAVE, Phase.CHECKPOINT_LOAD, Phase.INIT,
+_SLOW_PHASES = frozenset(p.value for p in (Phase.CHECKPOINT_SAVE, Phase.CHECKPOINT_LOAD, Phase.INIT, Phase.EVAL,
                                             Phase.RESTARTING))
 _SLOW_OR_STOPPED = _SLOW_PHASES | {_STOPPED}
 

@@ -175,7 +175,7 @@ class Rank(models.Model):
 
 def deadline_for(phase: str, at: datetime, spec: dict) -> datetime:
     """Phase-aware heartbeat deadline: checkpoint phases get the checkpoint timeout."""
-    if phase in (Phase.CHECKPOINT_SAVE, Phase.CHECKPOINT_LOAD, Phase.INIT, Phase.RESTARTING):
+    if phase in (Phase.CHECKPOINT_SAVE, Phase.CHECKPOINT_LOAD, Phase.INIT, Phase.EVAL, Phase.RESTARTING):
         timeout = float(spec.get("checkpoint_timeout_s", 300.0))
     else:
         timeout = float(spec.get("step_timeout_s", 30.0))

@@ -15,6 +15,17 @@ from trainer.wire import DrillFault
 PRESETS = ("tiny", "small", "1b")
 BACKENDS = ("local", "kubernetes")
 CHECKPOINT_MODES = ("sync", "async")
+# A user's entrypoint: a script path (``train.py``, ``src/train.py``), a module run like ``python -m``
+# (``pkg.train``), or a function (``pkg.train:main``).
+_MODULE = r"[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*"
+_ENTRYPOINT = re.compile(rf"^(?:[^\x00\s:][^\x00:]*\.py|{_MODULE}(?::[A-Za-z_][A-Za-z0-9_]*)?)$")
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+# Names the launcher owns (identity, rendezvous, our own settings) or that look like secrets: secrets
+# reach the job only through its token file / Kubernetes Secret, never as a plain spec value.
+_RESERVED_ENV = re.compile(r"^(UNBROKEN_|TORCHELASTIC_|RANK$|LOCAL_RANK$|WORLD_SIZE$|LOCAL_WORLD_SIZE$|GROUP_RANK$|"
+                           r"MASTER_ADDR$|MASTER_PORT$|PYTHONPATH$)")
+_SECRET_ENV = re.compile(r"(TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL|PRIVATE_KEY|API_KEY|ACCESS_KEY)", re.I)
+DRILLS_FOR_USER_CODE = ("exception", "hang", "sigkill")
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 _DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
 
@@ -51,12 +62,16 @@ class KubernetesSpec:
     # flags against it. "" = unknown, not checked.
     nvrx_version: str = ""
     image_pull_policy: str = "IfNotPresent"
+    # A wrapper the container runs our launcher under, e.g. ["bash", "-c", "source /env.sh && exec \"$@\"",
+    # "--"]: it must exec its arguments, so the launcher still receives SIGTERM. Empty: the launcher is PID 1.
+    command: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         errors: dict[str, str] = {}
         for name, kind in (("namespace", str), ("image", str), ("checkpoint_claim", str), ("nvrx_version", str),
                            ("image_pull_policy", str), ("gpus_per_node", int), ("efa_per_node", int),
-                           ("use_jobset", bool), ("node_selector", dict), ("tolerations", list)):
+                           ("use_jobset", bool), ("node_selector", dict), ("tolerations", list),
+                           ("command", list)):
             value = getattr(self, name)
             if type(value) is not kind:
                 errors[f"kubernetes.{name}"] = {str: "must be a string", int: "must be an integer",
@@ -76,6 +91,8 @@ class KubernetesSpec:
             errors["kubernetes.image_pull_policy"] = "must be Always, IfNotPresent or Never"
         if not all(type(k) is str and type(v) is str for k, v in self.node_selector.items()):
             errors["kubernetes.node_selector"] = "must map label names to string values"
+        if not all(type(c) is str and c and "\x00" not in c for c in self.command):
+            errors["kubernetes.command"] = "must be a list of non-empty strings (a wrapper that execs its arguments)"
         if not all(type(t) is dict for t in self.tolerations):
             errors["kubernetes.tolerations"] = "must be a list of toleration objects (key, operator, value, effect)"
         if errors:
@@ -107,6 +124,12 @@ class JobSpec:
     storm_restarts: int = 5
     drills: tuple[Drill, ...] = ()
     kubernetes: KubernetesSpec | None = None
+    # The user's own training code ("" = the built-in example model, ``preset``). See the README,
+    # "Bring your own training script".
+    entrypoint: str = ""
+    args: tuple[str, ...] = ()
+    working_dir: str = ""  # local: an absolute directory on this machine; kubernetes: the container's
+    env: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         errors: dict[str, str] = {}
@@ -136,6 +159,7 @@ class JobSpec:
             errors["kubernetes"] = "the kubernetes backend needs its settings (namespace, image, ...)"
         if self.kubernetes is not None and not _DNS_LABEL.match(self.kubernetes.namespace or ""):
             errors["kubernetes.namespace"] = "must be a DNS label (lowercase letters, digits, '-')"
+        errors.update(self._user_code_errors())
         for i, d in enumerate(self.drills):
             if d.fault not in DrillFault.__members__.values():
                 errors[f"drills[{i}].fault"] = f"must be one of {', '.join(f.value for f in DrillFault)}"
@@ -143,8 +167,47 @@ class JobSpec:
                 errors[f"drills[{i}].rank"] = f"must be a rank of this job: 0..{self.world_size - 1}"
             elif not 0 < d.step < self.steps:
                 errors[f"drills[{i}].step"] = f"must be within 1..{self.steps - 1} (before the last step)"
+            elif self.entrypoint and d.fault not in DRILLS_FOR_USER_CODE:
+                errors[f"drills[{i}].fault"] = (f"your own script can be drilled with {', '.join(DRILLS_FOR_USER_CODE)} "
+                                                "(fired when it reports that step)")
         if errors:
             raise SpecError(errors)
+
+    def _user_code_errors(self) -> dict[str, str]:
+        errors: dict[str, str] = {}
+        if self.entrypoint and self.in_process:
+            errors["in_process"] = ("in-process restart re-enters an entrypoint function (the SDK's full level, "
+                                    "not available yet); turn it off: in-job and job restarts still recover")
+        if self.entrypoint and not _ENTRYPOINT.match(self.entrypoint):
+            errors["entrypoint"] = ("name a script (train.py, src/train.py), a module (pkg.train) or a function "
+                                    "(pkg.train:main)")
+        if not all(type(a) is str and "\x00" not in a for a in self.args):
+            errors["args"] = "must be a list of strings"
+        elif len(self.args) > 256 or sum(map(len, self.args)) > 16384:
+            errors["args"] = "at most 256 arguments and 16 KiB in all"
+        elif self.args and not self.entrypoint:
+            errors["args"] = "arguments go to your own script: set entrypoint too"
+        if self.working_dir and (type(self.working_dir) is not str or not self.working_dir.startswith("/")
+                                 or "\x00" in self.working_dir):
+            errors["working_dir"] = "must be an absolute directory path, e.g. /home/me/project"
+        bad = [k for k, v in self.env.items() if type(k) is not str or not _ENV_NAME.match(k) or type(v) is not str
+               or "\x00" in v]
+        reserved = [k for k in self.env if type(k) is str and _RESERVED_ENV.match(k)]
+        secret = [k for k in self.env if type(k) is str and _SECRET_ENV.search(k)]
+        if bad:
+            errors["env"] = f"names must be like MY_VAR and values strings: {', '.join(map(str, bad[:3]))}"
+        elif reserved:
+            errors["env"] = f"{', '.join(reserved[:3])}: set by the launcher, not by the spec"
+        elif secret:
+            errors["env"] = (f"{', '.join(secret[:3])} looks like a secret: specs are stored and shown in plain "
+                             "text; put secrets in a file the script reads or a Kubernetes Secret")
+        elif len(self.env) > 128 or sum(len(k) + len(v) for k, v in self.env.items()) > 32768:
+            errors["env"] = "at most 128 variables and 32 KiB in all"
+        return errors
+
+    @property
+    def runs_user_code(self) -> bool:
+        return bool(self.entrypoint)
 
     @property
     def world_size(self) -> int:
@@ -165,6 +228,10 @@ class JobSpec:
                 kwargs["drills"] = tuple(Drill(**d) if isinstance(d, dict) else d for d in kwargs["drills"] or ())
             if isinstance(kwargs.get("kubernetes"), dict):
                 kwargs["kubernetes"] = KubernetesSpec(**kwargs["kubernetes"])
+            if isinstance(kwargs.get("args"), list):
+                kwargs["args"] = tuple(kwargs["args"])
+            if kwargs.get("entrypoint") and "in_process" not in kwargs:
+                kwargs["in_process"] = False  # in-process restart needs the SDK's entrypoint function
         except TypeError as e:
             raise SpecError({"drills" if "Drill" in str(e) else "kubernetes": str(e)}) from None
         _check_types(cls, kwargs)
@@ -191,6 +258,10 @@ def _check_types(cls: type, kwargs: dict[str, Any]) -> None:
                 errors[k] = "must be a number"
         elif isinstance(d, str) and type(v) is not str:
             errors[k] = "must be a string"
+        elif k == "args" and type(v) is not tuple:
+            errors[k] = "must be a list of strings"
+        elif k == "env" and type(v) is not dict:
+            errors[k] = "must be an object of NAME: value strings"
     if errors:
         raise SpecError(errors)
 

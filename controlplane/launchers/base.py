@@ -39,6 +39,7 @@ class PollResult:
     state: str
     reason: str = ""
     faults: list[LaunchFault] = field(default_factory=list)
+    retryable: bool = True  # False: a failure that a job-level restart would only repeat
 
 
 class Launcher(Protocol):

@@ -26,16 +26,25 @@ def _num(x: float) -> str:
 
 
 def trainer_args(spec: JobSpec, *, report_url: str = "") -> list[str]:
-    """Flags of the training loop (``python -m trainer`` parses them; ``trainer.launch`` passes them on)."""
-    args = [
-        "--preset", spec.preset,
-        "--steps", str(spec.steps),
-        "--ckpt-interval", str(spec.checkpoint_interval),
-        "--ckpt-mode", spec.checkpoint_mode,
-        "--keep-ckpts", str(spec.keep_checkpoints),
-        "--in-process" if spec.in_process else "--no-in-process",
-    ]
-    if spec.in_process:
+    """Flags of the training loop (``python -m trainer`` parses them; ``trainer.launch`` passes them on).
+
+    For the user's own code (``spec.entrypoint``) they are the shim's: reporting, drills and the in-job
+    layer's timeouts (no model, no checkpoints: the user's code owns those)."""
+    if spec.entrypoint:
+        args = ["--no-in-process", "--steps", str(spec.steps),
+                "--step-timeout", _num(spec.step_timeout_s),
+                "--ckpt-timeout", _num(spec.checkpoint_timeout_s),
+                "--startup-timeout", _num(max(120.0, 2 * spec.step_timeout_s))]
+    else:
+        args = [
+            "--preset", spec.preset,
+            "--steps", str(spec.steps),
+            "--ckpt-interval", str(spec.checkpoint_interval),
+            "--ckpt-mode", spec.checkpoint_mode,
+            "--keep-ckpts", str(spec.keep_checkpoints),
+            "--in-process" if spec.in_process else "--no-in-process",
+        ]
+    if spec.in_process and not spec.entrypoint:
         args += ["--max-in-process-restarts", str(spec.max_in_process_restarts)]
     args += ["--report-interval", _num(spec.heartbeat_interval_s)]
     for drill in spec.drills:
@@ -46,13 +55,20 @@ def trainer_args(spec: JobSpec, *, report_url: str = "") -> list[str]:
 
 
 def launch_args(spec: JobSpec, *, node_rank: int | str, rdzv_endpoint: str, run_dir: str, job_id: int | str,
-                attempt: int, report_url: str = "") -> list[str]:
+                attempt: int, report_url: str = "", working_dir: str = "") -> list[str]:
     """Arguments of ``python -m trainer.launch`` for one node.
 
     ``node_rank`` is a number, or a reference the runtime expands (Kubernetes: ``$(JOB_COMPLETION_INDEX)``).
     ``--max-restarts`` is ft_launcher's in-job budget; with in-job restarts off it is 0 so that a
     failed rank ends the node at once and the control plane decides (job-level restart or fail).
+    The user's own code adds ``--entrypoint``/``--workdir`` and its arguments after a second ``--``.
     """
+    user: list[str] = []
+    if spec.entrypoint:
+        user = ["--entrypoint", spec.entrypoint]
+        if working_dir or spec.working_dir:
+            user += ["--workdir", working_dir or spec.working_dir]
+    tail = ["--", *spec.args] if spec.entrypoint else []
     return [
         "--nnodes", str(spec.nodes),
         "--node-rank", str(node_rank),
@@ -63,8 +79,10 @@ def launch_args(spec: JobSpec, *, node_rank: int | str, rdzv_endpoint: str, run_
         "--run-dir", run_dir,
         "--job-id", str(job_id),
         "--attempt", str(attempt),
+        *user,
         "--",
         *trainer_args(spec, report_url=report_url),
+        *tail,
     ]
 
 

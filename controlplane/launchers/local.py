@@ -29,6 +29,9 @@ from controlplane.launchers.command import launch_args
 from trainer.ports import free_port_block
 from trainer.wire import FaultClass
 
+# trainer.launch's exit status for refused flags and for user code that cannot start (trainer/launch.py).
+EXIT_BAD_FLAGS, EXIT_CANNOT_START = 2, 3
+
 _SHELL = 'echo $$ > "$UNBROKEN_PID_FILE"; "$@"; echo $? > "$UNBROKEN_EXIT_FILE"'
 
 
@@ -59,7 +62,9 @@ class LocalLauncher:
         cpus = os.cpu_count() or 1
         if spec.procs_per_node > 4 * cpus:
             problems.append(f"{spec.procs_per_node} processes on {cpus} CPU cores would crawl; use at most {4 * cpus}")
-        if spec.preset not in ("tiny", "small"):
+        if spec.entrypoint:
+            problems += _user_code_problems(spec)
+        elif spec.preset not in ("tiny", "small"):
             problems.append(f"preset {spec.preset!r} needs GPUs; on this machine use tiny or small")
         return problems
 
@@ -81,6 +86,7 @@ class LocalLauncher:
         argv = [sys.executable, "-m", "trainer.launch", *launch_args(
             spec, node_rank=0, rdzv_endpoint=f"127.0.0.1:{base_port}", run_dir=str(rd),
             job_id=job.pk, attempt=job.attempt, report_url=settings.PUBLIC_URL,
+            working_dir=(spec.working_dir or str(settings.BASE_DIR)) if spec.entrypoint else "",
         )]
         log_path = rd / "logs" / f"attempt-{job.attempt}.log"
         pid_file = rd / f"pid-{job.attempt}"
@@ -89,6 +95,7 @@ class LocalLauncher:
             f.unlink(missing_ok=True)
         env = {
             **os.environ,
+            **spec.env,
             "PYTHONPATH": str(settings.BASE_DIR),
             "PYTHONUNBUFFERED": "1",
             "OMP_NUM_THREADS": "1",
@@ -141,6 +148,9 @@ class LocalLauncher:
             if code == 0:
                 return PollResult(state="succeeded", reason="training finished")
             reason = _exit_reason(code)
+            if code in (EXIT_BAD_FLAGS, EXIT_CANNOT_START):
+                # The same code and flags fail the same way again: no job-level restart.
+                return PollResult(state="failed", reason=reason, retryable=False)
             fault = LaunchFault(fault_class=FaultClass.PROCESS_KILLED, message=reason,
                                 source_key=f"exit-a{st.get('attempt', 0)}", at=exit_file.stat().st_mtime)
             return PollResult(state="failed", reason=reason, faults=[fault])
@@ -185,6 +195,18 @@ class LocalLauncher:
         return text
 
 
+def _user_code_problems(spec) -> list[str]:
+    """The user's code must be where the spec says, on this machine (checked before a job is stored)."""
+    workdir = Path(spec.working_dir or settings.BASE_DIR)
+    if not workdir.is_dir():
+        return [f"working_dir {workdir} is not a directory on this machine"]
+    if spec.entrypoint.endswith(".py"):
+        script = workdir / spec.entrypoint
+        if not script.is_file():
+            return [f"entrypoint {spec.entrypoint} does not exist in {workdir}"]
+    return []
+
+
 def _wait_for_pid(pid_file: Path, timeout_s: float = 10.0) -> int:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -225,6 +247,10 @@ def _kill_tagged(tag: str) -> int:
 
 
 def _exit_reason(code: int) -> str:
+    if code == EXIT_CANNOT_START:
+        return "the training code failed before training started; its traceback is in the fault table"
+    if code == EXIT_BAD_FLAGS:
+        return "the launcher refused the job's settings (exit 2); see the log"
     if code > 128:
         try:
             name = signal.Signals(code - 128).name

@@ -152,7 +152,7 @@ def supervise_job(*, job: Job) -> str:
             get_launcher(job.backend).stop(job, grace_s=STOP_GRACE_S)
     elif result.state in ("failed", "lost"):
         spec = job.job_spec
-        if spec.job_restart and job.attempt < spec.max_job_restarts:
+        if result.retryable and spec.job_restart and job.attempt < spec.max_job_restarts:
             fault_at = None
             if result.faults and result.faults[0].at:
                 fault_at = datetime.fromtimestamp(result.faults[0].at, tz=UTC)
