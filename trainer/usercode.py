@@ -36,7 +36,7 @@ from typing import Any
 from trainer.config import TrainConfig
 from trainer.control import EXIT_RESTART_IN_JOB, CommandInbox, Drills, ack_event
 from trainer.reporter import Reporter, make_reporter
-from trainer.runtime import RankEnv, connect_store, record_fault_facts
+from trainer.runtime import RankEnv, connect_store, fault_key, record_fault_facts
 from trainer.wire import (CommandKind, CycleMark, DrillFault, EventKind, FaultClass, Layer, Phase,
                           cycle_key)
 
@@ -151,6 +151,7 @@ class UserRun:
                              record_fault=lambda fault, message: self.record_fault(fault, message))
         self.ft: Any = None
         self._pending_fire: tuple[DrillFault, str] | None = None
+        self._facts: dict[str, Any] | None = None  # the last fault this process recorded
         self._shared_at = 0.0
         self._beat_thread = threading.Thread(target=self._beat_loop, name="unbroken-heartbeat", daemon=True)
 
@@ -194,7 +195,14 @@ class UserRun:
         fatal = cannot_start or (isinstance(exc, _CANNOT_START) and not self.progress_seen and self.level == 0)
         if fatal:
             message = f"the code failed before training started ({message}); fix it and start a new job"
-        self.record_fault(FaultClass.EXCEPTION, message, traceback_text=tb, fatal=fatal)
+        if self._facts is not None and not fatal:
+            # A drill recorded this fault a moment ago (first record wins): add what the exception proves.
+            rec = {**self._facts, "message": f"{self._facts['message']}: {message}"[:500], "traceback": tb}
+            if self.app_store is not None:
+                with contextlib.suppress(Exception):
+                    self.app_store.set(fault_key(self.env.restart_count), json.dumps(rec))
+        else:
+            self.record_fault(FaultClass.EXCEPTION, message, traceback_text=tb, fatal=fatal)
         self.reporter.heartbeat(step=self.step_no, phase=Phase.STOPPED, loss=self.loss)
         if self.ft is not None:
             self.ft.stop()
@@ -206,6 +214,7 @@ class UserRun:
                      fatal: bool = False) -> None:
         rec = {"fault": str(fault), "rank": RankEnv.rank(), "at": time.time(), "iteration": 0,
                "message": message[:500], "kind": "fault", "traceback": traceback_text, "fatal": fatal}
+        self._facts = rec
         if self.app_store is not None:
             record_fault_facts(self.app_store, self.env.restart_count, rec)
         else:  # no launcher to report it: say it ourselves

@@ -1,0 +1,120 @@
+"""The user's own training code, run through the control plane with real processes (2 ranks, gloo):
+an unmodified FSDP2 script (Level 0), the same script with the SDK's few lines (Level 1), and code
+that cannot start."""
+
+from pathlib import Path
+
+import pytest
+
+from controlplane.jobs import services
+from controlplane.jobs.models import Event, Fault, Job, JobStatus, Rank, RestartCycle
+from controlplane.jobs.spec import Drill, JobSpec
+from controlplane.launchers.local import LocalLauncher
+from controlplane.launchers.services import supervise_all
+from tests.helpers import wait_for
+from trainer.wire import EventKind, FaultClass, Layer
+
+pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "trainer" / "examples"
+
+
+def _job(tmp_path: Path, entrypoint: str, *, args: tuple[str, ...] = (), **spec) -> Job:
+    base = dict(entrypoint=entrypoint, args=args, working_dir=str(tmp_path), steps=200, step_timeout_s=5.0,
+                stall_timeout_s=60.0, heartbeat_interval_s=0.5, in_process=False)
+    base.update(spec)
+    return services.create_job(name="own code", spec=JobSpec(**base), created_by=None)
+
+
+def _finish(job: Job, timeout_s: float = 240) -> Job:
+    def done() -> bool:
+        supervise_all()
+        job.refresh_from_db()
+        return job.status in (JobStatus.SUCCEEDED, JobStatus.FAILED)
+
+    wait_for(done, timeout_s=timeout_s, what=f"job {job.pk} to finish")
+    return job
+
+
+def _log(job: Job) -> str:
+    job.refresh_from_db()
+    return LocalLauncher().log_tail(job, max_bytes=8000)
+
+
+def _cleanup(job: Job) -> None:
+    job.refresh_from_db()
+    LocalLauncher().stop(job, grace_s=2.0)
+
+
+def _faults(job: Job) -> list:
+    return list(Fault.objects.filter(job=job).values("fault_class", "rank", "detected_by", "message", "cycle__layer"))
+
+
+def test_it_supervises_an_unmodified_script_through_a_kill_and_an_exception(e2e_settings, celery_beat_thread,
+                                                                             tmp_path):
+    job = _job(tmp_path, str(EXAMPLES / "plain_fsdp.py"), args=("--steps", "200"),
+               drills=(Drill(step=40, fault="sigkill", rank=1), Drill(step=120, fault="exception", rank=0)))
+    try:
+        _finish(job)
+        assert job.status == JobStatus.SUCCEEDED, (job.status_reason, _log(job))
+        killed = Fault.objects.filter(job=job, fault_class=FaultClass.PROCESS_KILLED, cycle__isnull=False).first()
+        assert killed is not None and killed.rank == 1 and killed.cycle.layer == Layer.IN_JOB, _faults(job)
+        exc = Fault.objects.filter(job=job, fault_class=FaultClass.EXCEPTION, cycle__isnull=False).first()
+        assert exc is not None and exc.rank == 0, _faults(job)
+        # The rank's own traceback, not a launcher summary.
+        assert "DrillError" in exc.message and "Traceback (most recent call last)" in exc.message, exc.message
+        for cycle in (killed.cycle, exc.cycle):
+            cycle.refresh_from_db()
+            assert None not in (cycle.fault_at, cycle.detected_at, cycle.restarted_at, cycle.first_step_at), \
+                cycle.__dict__
+            assert 0 < cycle.recovery_s < 60
+        levels = {e.data["level"] for e in Event.objects.filter(job=job, kind=EventKind.INTEGRATION)}
+        assert levels == {0}
+        hello = Event.objects.filter(job=job, kind=EventKind.INTEGRATION).first().data
+        assert hello["torch"].startswith("2.") and hello["nvrx"] != "not installed"
+        wait_for(lambda: Rank.objects.filter(job=job, last_step=200).exists(), timeout_s=30,
+                 what="progress parsed from the script's output")
+        assert "FINAL_LOSS" in (Path(e2e_settings.DATA_DIR) / "jobs" / str(job.pk) / "logs" / "rank0.log").read_text()
+    finally:
+        _cleanup(job)
+
+
+def test_it_detects_a_hung_level1_loop_from_its_heartbeats_and_restarts_it(e2e_settings, celery_beat_thread,
+                                                                            tmp_path):
+    job = _job(tmp_path, str(EXAMPLES / "fsdp_level1.py"), args=("--steps", "150"), steps=150,
+               drills=(Drill(step=50, fault="hang", rank=1),))
+    try:
+        _finish(job)
+        assert job.status == JobStatus.SUCCEEDED, (job.status_reason, _log(job))
+        hang = Fault.objects.filter(job=job, fault_class=FaultClass.HANG, cycle__isnull=False).first()
+        assert hang is not None and hang.rank == 1, _faults(job)
+        assert hang.cycle.layer == Layer.IN_JOB
+        cycle = RestartCycle.objects.get(pk=hang.cycle_id)
+        assert cycle.first_step_at is not None
+        # ft_launcher saw the loop's heartbeats stop: detected within the step timeout (+ its check interval).
+        assert 4.0 <= (cycle.detected_at - cycle.fault_at).total_seconds() < 15.0, cycle.__dict__
+        assert {e.data["level"] for e in Event.objects.filter(job=job, kind=EventKind.INTEGRATION)} == {0, 1}
+        assert Rank.objects.filter(job=job, last_step=150).count() == 2
+    finally:
+        _cleanup(job)
+
+
+@pytest.mark.parametrize("source, expect", [
+    ("import not_a_module_anywhere\n", "ModuleNotFoundError"),
+    ("def broken(:\n    pass\n", "does not compile"),
+])
+def test_it_fails_code_that_cannot_start_once_with_its_traceback(e2e_settings, celery_beat_thread, tmp_path,
+                                                                   source, expect):
+    (tmp_path / "train.py").write_text(source)
+    job = _job(tmp_path, "train.py")
+    try:
+        _finish(job, timeout_s=120)
+        assert job.status == JobStatus.FAILED, job.status_reason
+        assert "failed before training started" in job.status_reason
+        assert job.attempt == 0  # no job-level restart
+        faults = Fault.objects.filter(job=job, fault_class=FaultClass.EXCEPTION)
+        assert faults.count() == 1, _faults(job)
+        assert expect in faults.get().message
+        assert not RestartCycle.objects.filter(job=job).exists()  # and no in-job rounds
+    finally:
+        _cleanup(job)
