@@ -7,15 +7,19 @@ their own fieldset, used (and validated) only when that backend is chosen.
 from __future__ import annotations
 
 import json
+import shlex
 from dataclasses import fields as dc_fields
+from pathlib import Path
 
 from django import forms
+from django.conf import settings
 
 from controlplane.jobs.spec import (
     BACKENDS,
     CHECKPOINT_MODES,
     DEMO_SPEC,
     PRESETS,
+    Drill,
     JobSpec,
     KubernetesSpec,
     SpecError,
@@ -24,6 +28,9 @@ from trainer.wire import DrillFault
 
 K8S_PREFIX = "k8s_"
 
+# The example of an unmodified FSDP2 script that ships with the SDK (trainer/examples/plain_fsdp.py).
+EXAMPLE_SCRIPT = str(Path(settings.BASE_DIR) / "trainer" / "examples" / "plain_fsdp.py")
+
 # Presets shown as buttons above the form: name -> (label, description, spec overrides).
 PRESET_CHOICES = {
     "demo": (
@@ -31,6 +38,13 @@ PRESET_CHOICES = {
         "2 ranks on this machine's CPU, with a fault drill (an exception at step 60 on rank 1, "
         "a SIGKILL at step 150 on rank 0)",
         DEMO_SPEC,
+    ),
+    "own-script": (
+        "Your own script",
+        "an unmodified FSDP2 script run under ft_launcher (here the example trainer/examples/plain_fsdp.py; "
+        "put your script's path instead), a SIGKILL drill at step 100 on rank 1",
+        JobSpec(entrypoint=EXAMPLE_SCRIPT, args=("--steps", "300"), steps=300, in_process=False,
+                drills=(Drill(step=100, fault="sigkill", rank=1),)),
     ),
     "cpu-small": (
         "Small, no drills",
@@ -58,7 +72,18 @@ class JobForm(forms.Form):
     backend = forms.ChoiceField(choices=[(b, b) for b in BACKENDS])
     nodes = forms.IntegerField(min_value=1)
     procs_per_node = forms.IntegerField(min_value=1, label="Processes per node")
-    preset = forms.ChoiceField(choices=[(p, p) for p in PRESETS], label="Model preset")
+    preset = forms.ChoiceField(choices=[(p, p) for p in PRESETS], label="Model preset",
+                               help_text="the built-in example model; not used when you run your own script")
+    entrypoint = forms.CharField(
+        required=False, max_length=1024, label="Your script",
+        help_text="train.py (a path in the working directory, or absolute), pkg.train (run like python -m) or "
+                  "pkg.train:main; empty = the built-in example model")
+    args = forms.CharField(required=False, max_length=16384, label="Script arguments",
+                           help_text="as on a command line, e.g. --steps 300 --lr 3e-4")
+    working_dir = forms.CharField(required=False, max_length=1024, label="Working directory",
+                                  help_text="absolute path; local jobs default to the control plane's directory")
+    env = forms.CharField(required=False, widget=forms.Textarea(attrs={"rows": 2}), label="Environment",
+                          help_text="one NAME=value per line; no secrets (they are stored and shown in plain text)")
     steps = forms.IntegerField(min_value=1)
     checkpoint_interval = forms.IntegerField(min_value=1, help_text="steps between checkpoints")
     checkpoint_mode = forms.ChoiceField(choices=[(m, m) for m in CHECKPOINT_MODES])
@@ -106,8 +131,12 @@ class JobForm(forms.Form):
         help_text='JSON list, e.g. [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]',
     )
     k8s_use_jobset = forms.BooleanField(required=False, label="Use JobSet (else an Indexed Job)")
+    k8s_command = forms.CharField(
+        required=False, label="Wrapper command",
+        help_text='optional, as on a command line; it must exec its arguments, e.g. '
+                  'bash -c \'source /opt/env.sh && exec "$@"\' --')
 
-    SPEC_FIELDS = tuple(f.name for f in dc_fields(JobSpec) if f.name not in ("drills", "kubernetes"))
+    SPEC_FIELDS = tuple(f.name for f in dc_fields(JobSpec) if f.name not in ("drills", "kubernetes", "args", "env"))
     K8S_FIELDS = tuple(f.name for f in dc_fields(KubernetesSpec))
 
     @classmethod
@@ -115,6 +144,8 @@ class JobForm(forms.Form):
         data = {k: getattr(spec, k) for k in cls.SPEC_FIELDS}
         data["name"] = name
         data["drills"] = "\n".join(d.as_flag() for d in spec.drills)
+        data["args"] = shlex.join(spec.args)
+        data["env"] = "\n".join(f"{k}={v}" for k, v in spec.env.items())
         k8s = spec.kubernetes or KubernetesSpec()
         for k in cls.K8S_FIELDS:
             v = getattr(k8s, k)
@@ -122,6 +153,8 @@ class JobForm(forms.Form):
                 v = "\n".join(f"{a}={b}" for a, b in v.items())
             elif k == "tolerations":
                 v = json.dumps(v) if v else ""
+            elif k == "command":
+                v = shlex.join(v)
             data[K8S_PREFIX + k] = v
         return data
 
@@ -150,6 +183,17 @@ class JobForm(forms.Form):
             except ValueError:
                 raise SpecError({f"drills[{i}]": f"line {i + 1}: step and rank must be integers"}) from None
         data["drills"] = drills
+        data["entrypoint"] = (c.get("entrypoint") or "").strip()
+        data["working_dir"] = (c.get("working_dir") or "").strip()
+        data["args"] = _split("args", c.get("args") or "")
+        env = {}
+        for line in (c.get("env") or "").splitlines():
+            if line.strip():
+                if "=" not in line:
+                    raise SpecError({"env": f"{line.strip()!r}: write NAME=value"})
+                a, b = line.split("=", 1)
+                env[a.strip()] = b
+        data["env"] = env
         if c["backend"] == "kubernetes":
             k8s = {}
             for k in self.K8S_FIELDS:
@@ -172,6 +216,8 @@ class JobForm(forms.Form):
                         raise SpecError({"kubernetes.tolerations": f"not valid JSON: {e.msg}"}) from None
                     if not isinstance(v, list):
                         raise SpecError({"kubernetes.tolerations": "must be a JSON list of objects"})
+                elif k == "command":
+                    v = _split("kubernetes.command", v or "")
                 elif v in (None, ""):
                     continue  # the KubernetesSpec default
                 k8s[k] = v
@@ -187,3 +233,10 @@ class JobForm(forms.Form):
         if key == "kubernetes":
             return None
         return key if key in self.fields else None
+
+
+def _split(field: str, text: str) -> list[str]:
+    try:
+        return shlex.split(text)
+    except ValueError as e:
+        raise SpecError({field: f"cannot split it like a command line: {e}"}) from None

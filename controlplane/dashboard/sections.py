@@ -588,3 +588,4 @@ def log_part(job: Job) -> dict:
     if not text:
         return {"available": False, "why": "no log yet (the job has not started writing one)"}
     return {"available": True, "text": text}
+

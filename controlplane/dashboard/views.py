@@ -17,6 +17,7 @@ from django.views.decorators.cache import never_cache
 from django.views.decorators.http import require_GET
 
 from controlplane.dashboard import sections
+from controlplane.dashboard.code import code_part
 from controlplane.dashboard.assets import PLOTLY_VERSION
 from controlplane.jobs.models import Job
 from controlplane.jobs.roles import is_operator
@@ -70,7 +71,7 @@ def jobs_live(request):
 def part_context(name: str, job: Job, request, now) -> dict:
     """The context of one part of the job page (the page includes every part; fragments one)."""
     if name == "header":
-        return {}
+        return {"code": code_part(job)}
     if name == "timeline":
         follow = request.GET.get("follow", "1" if job.is_active else "0") == "1"
         start, end = _float(request.GET.get("start")), _float(request.GET.get("end"))

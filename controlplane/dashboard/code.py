@@ -1,0 +1,43 @@
+"""The job page's "Code" facts for a job that runs the user's own script: what was run, the integration
+level its ranks reported, their versions, and what that level cannot show."""
+
+from __future__ import annotations
+
+import shlex
+
+from controlplane.jobs.models import Event, Job
+from trainer.wire import EventKind
+
+
+# What each integration level of the user's own code cannot tell the control plane (shown, not zeros).
+LEVEL_LIMITS = {
+    0: "Level 0 (unmodified script): process facts only - starts, exits, signals, restarts, tracebacks, and "
+       "steps and loss where the script prints them. No phases, no checkpoint ledger, no checkpoint-load "
+       "mark; hangs are seen only as a stall of the printed step. Add the SDK's few lines for more.",
+    1: "Level 1 (SDK calls): steps, loss, phases, commands and hang detection from the loop's heartbeats. "
+       "Your script saves its own checkpoints, so there is no checkpoint ledger or checkpoint-load mark, "
+       "and no in-process restart.",
+}
+
+
+def code_part(job: Job) -> dict | None:
+    """What the job runs when it is the user's own code: entrypoint, arguments, environment names, the
+    integration level its ranks reported and the versions they run with. None for the built-in model."""
+    spec = job.spec or {}
+    if not spec.get("entrypoint"):
+        return None
+    hellos = list(Event.objects.filter(job=job, kind=EventKind.INTEGRATION).order_by("-at")
+                  .values_list("data", flat=True)[:64])
+    levels = [h.get("level") for h in hellos if isinstance(h.get("level"), int)]
+    level = max(levels) if levels else None
+    latest = hellos[0] if hellos else {}
+    return {
+        "entrypoint": spec["entrypoint"],
+        "args": shlex.join(spec.get("args") or []),
+        "working_dir": spec.get("working_dir") or "",
+        "env_names": sorted((spec.get("env") or {}).keys()),
+        "level": level,
+        "versions": {k: latest.get(k) for k in ("sdk", "torch", "nvrx", "python") if latest.get(k)},
+        "limits": LEVEL_LIMITS.get(level) if level is not None else
+        "waiting for the ranks to start (they report their integration level and versions)",
+    }
