@@ -362,11 +362,11 @@ def _event(e: Any, path: str, window: Window, world_size: int | None) -> Event:
         raise WireError("must be an object", f"{path}.data")
     if len(data) > MAX_DATA_KEYS:
         raise WireError(f"at most {MAX_DATA_KEYS} keys", f"{path}.data")
+    check_event_data(kind, data, path)  # first: the keys the control plane reads have the tighter bounds
     _check_json(data, f"{path}.data", 1)
     size = len(json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode("utf-8", "surrogatepass"))
     if size > MAX_DATA_BYTES:
         raise WireError(f"is {size} bytes encoded; at most {MAX_DATA_BYTES}", f"{path}.data")
-    check_event_data(kind, data, path)
     return Event(
         id=eid,
         kind=kind,

@@ -17,6 +17,7 @@ from django.conf import settings
 
 from trainer import wire
 
+MARGIN_S = 60.0
 NO_NUL = "^[^\\x00]*$"  # Postgres text cannot hold NUL (\u0000)
 
 
@@ -58,12 +59,13 @@ def openapi_schema(*, now: float | None = None) -> dict:
     now = time.time() if now is None else now
     doc = copy.deepcopy(_static())
     schemas = doc["components"]["schemas"]
-    skew, future = wire.MAX_CLOCK_SKEW_S, wire.MAX_FUTURE_S
-    earliest = now - settings.INGEST_MAX_AGE_S
+    # Tightened by MARGIN_S, so that the bounds still hold when a client uses them a minute later.
+    skew, future, m = wire.MAX_CLOCK_SKEW_S, wire.MAX_FUTURE_S, MARGIN_S
     doc["info"]["x-server-time"] = now
-    schemas["Batch"]["properties"]["sent_at"].update(minimum=now - skew, maximum=now + skew)
+    schemas["Batch"]["properties"]["sent_at"].update(minimum=now - skew + m, maximum=now + skew - m)
     for name in ("Heartbeat", "Event"):
-        schemas[name]["properties"]["at"].update(minimum=earliest, maximum=now + skew + future)
+        schemas[name]["properties"]["at"].update(minimum=now - settings.INGEST_MAX_AGE_S + m,
+                                                 maximum=now + skew - m + future)
     return doc
 
 
@@ -74,7 +76,7 @@ def _static() -> dict:
         f"Unix seconds on the sender's clock. At most {wire.MAX_FUTURE_S:g} s after the batch's sent_at "
         f"(not expressible in JSON Schema: refused with 422), and at most {max_age:.0f} s "
         "(UNBROKEN_INGEST_MAX_AGE_S) before the server clock. minimum/maximum are as of this document's "
-        "info.x-server-time.")}
+        "info.x-server-time, tightened by a minute.")}
     error = {
         "type": "object",
         "required": ["error", "field"],
@@ -130,7 +132,7 @@ def _static() -> dict:
             "v": {"type": "integer", "const": wire.WIRE_VERSION},
             "sent_at": {"type": "number", "description": (
                 f"Unix seconds; refused (422) when it differs from the server clock by more than "
-                f"{wire.MAX_CLOCK_SKEW_S:.0f} s. minimum/maximum are as of this document's info.x-server-time.")},
+                f"{wire.MAX_CLOCK_SKEW_S:.0f} s. minimum/maximum are as of this document's info.x-server-time, tightened by a minute.")},
             "source": _text(wire.MAX_SOURCE_LEN),
             "heartbeats": {"type": "array", "maxItems": wire.MAX_HEARTBEATS, "items": {"$ref": "#/components/schemas/Heartbeat"}},
             "events": {"type": "array", "maxItems": wire.MAX_EVENTS, "items": {"$ref": "#/components/schemas/Event"}},
