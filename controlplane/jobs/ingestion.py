@@ -232,9 +232,10 @@ def _maybe_sample(job: Job, beats: list[dict], now: datetime) -> None:
         if b["phase"] != Phase.TRAIN:
             return
         _last_sample[job.pk] = t
-        TrainingSample.objects.create(job_id=job.pk, at=hb_store.utc(b["at"]), rank=b["rank"], step=b["step"],
-                                      loss=b.get("loss"), step_time_s=b.get("step_time_s"),
-                                      tokens_per_s=b.get("tokens_per_s"))
+        with transaction.atomic():  # a savepoint inside a caller's transaction: a failure leaves it usable
+            TrainingSample.objects.create(job_id=job.pk, at=hb_store.utc(b["at"]), rank=b["rank"],
+                                          step=b["step"], loss=b.get("loss"), step_time_s=b.get("step_time_s"),
+                                          tokens_per_s=b.get("tokens_per_s"))
     except Exception:  # noqa: BLE001 - a chart point is not worth an error answer
         sample_failures += 1
         log.warning("could not store a training sample for job %s (%d so far)", job.pk, sample_failures,
