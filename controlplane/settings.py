@@ -166,6 +166,9 @@ CELERY_BEAT_SCHEDULE = {
 
 # Ingest
 INGEST_MAX_BODY_BYTES = int(env_float("UNBROKEN_INGEST_MAX_BODY_BYTES", 4 * 1024 * 1024))
+# Heartbeat and event timestamps older than this (against the server clock) are refused with 422.
+# Generous on purpose: a reporter replays its disk spool after an outage, and drops a refused batch.
+INGEST_MAX_AGE_S = env_float("UNBROKEN_INGEST_MAX_AGE_S", 7 * 24 * 3600.0)
 
 # Notifications
 EMAIL_BACKEND = os.environ.get("UNBROKEN_EMAIL_BACKEND", "django.core.mail.backends.console.EmailBackend")

@@ -13,13 +13,13 @@ from collections import defaultdict
 from datetime import timedelta
 from pathlib import Path
 
-from django.db.models import Count, Q
+from django.db.models import Count, Q, Sum
 from django.http import HttpResponse
 from django.utils import timezone
 from django.views.decorators.http import require_GET
 
 from controlplane.jobs.goodput import PARTS
-from controlplane.jobs.models import Checkpoint, Fault, Job, Rank, RestartCycle
+from controlplane.jobs.models import Checkpoint, Fault, Job, QuarantinedHeartbeat, Rank, RestartCycle
 from trainer.wire import CheckpointState
 
 BLOCKING_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -146,6 +146,16 @@ def render_metrics(now) -> str:
     for j in jobs:
         for part in PARTS:
             out.sample("unbroken_wall_time_share", round(shares[j.pk][part], 6), job=j.pk, part=part)
+
+    out.family("unbroken_ingest_quarantined_total", "counter",
+               "Heartbeat states the flush could not write and quarantined (reasons on the job page).")
+    for job_id, n in (
+        QuarantinedHeartbeat.objects.filter(job_id__in=ids)
+        .values_list("job_id")
+        .annotate(n=Sum("count"))
+        .order_by("job_id")
+    ):
+        out.sample("unbroken_ingest_quarantined_total", n, job=job_id)
 
     out.family("unbroken_rank_heartbeat_age_seconds", "gauge", "Seconds since the rank's last heartbeat.")
     for job_id, rank, node, hb in (

@@ -23,6 +23,7 @@ from controlplane.jobs.models import (
     Command,
     Fault,
     Job,
+    QuarantinedHeartbeat,
     Rank,
     RestartCycle,
     TrainingSample,
@@ -77,6 +78,7 @@ def job_signatures(job: Job, now: datetime) -> dict[str, str]:
         n=Count("id"), m=Max("id"), done=Count("acked_at"), dl=Count("delivered_at")
     )
     aud = AuditEntry.objects.filter(job=job).aggregate(m=Max("id"))
+    qua = QuarantinedHeartbeat.objects.filter(job=job).aggregate(n=Count("id"), at=Max("at"))
     status = (
         job.status,
         job.status_reason,
@@ -95,7 +97,7 @@ def job_signatures(job: Job, now: datetime) -> dict[str, str]:
         "checkpoints": _sig(ck_s),
         "faults": _sig(flt_s, cyc_s),
         "goodput": _sig(status, cyc_s, ck_s, job.last_step, tick),
-        "ranks": _sig(tuple(rk.values())),
+        "ranks": _sig(tuple(rk.values()), tuple(qua.values())),
         "progress": _sig(ck_s, cyc_s, tick),
         "commands": _sig(tuple(cmd.values())),
         "audit": _sig(aud["m"]),
@@ -530,7 +532,11 @@ def ranks_part(job: Job, now: datetime) -> dict:
                 "pid": r.pid,
             }
         )
-    return {"rows": rows, "now": now.timestamp()}
+    quarantined = list(QuarantinedHeartbeat.objects.filter(job=job).order_by("-at")[:QUARANTINE_SHOWN])
+    return {"rows": rows, "now": now.timestamp(), "quarantined": quarantined}
+
+
+QUARANTINE_SHOWN = 10
 
 
 SAMPLES_SHOWN = 20_000  # the newest samples (about 11 hours at one per 2 s); older ones are not drawn

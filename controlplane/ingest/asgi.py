@@ -41,7 +41,7 @@ def _run(job_id: int, authorization: str, content_length: str | None, body: byte
     except Exception:
         log.exception("ingest for job %s failed", job_id)
         connection.close()
-        return 500, {"error": "internal error; the batch was not stored, retry later", "field": None}, {}
+        return 500, views.INTERNAL_ERROR, {}
 
 
 async def _respond(send, status: int, payload: dict, headers: dict[str, str]) -> None:

@@ -1,12 +1,49 @@
-"""OpenAPI 3.1 description of the ingest API, built from the wire module's vocabulary and limits."""
+"""OpenAPI 3.1 description of the ingest API, generated from the wire module's vocabulary and bounds
+(``trainer/wire.py``: the one definition; nothing here is retyped).
+
+The time bounds depend on the server clock, which JSON Schema cannot name: the document is served
+with ``minimum``/``maximum`` for ``sent_at`` and every ``at`` computed when it is served, as of its
+``info.x-server-time``. A schema-driven client that loads it and generates within it agrees with the
+server; the rest of the document is built once per process.
+"""
 
 from __future__ import annotations
 
+import copy
+import time
 from functools import cache
 
 from django.conf import settings
 
 from trainer import wire
+
+MARGIN_S = 60.0
+NO_NUL = "^[^\\x00]*$"  # Postgres text cannot hold NUL (\u0000)
+
+
+def _text(max_len: int, **extra) -> dict:
+    return {"type": "string", "maxLength": max_len, "pattern": NO_NUL, **extra}
+
+
+def _int(maximum: int, **extra) -> dict:
+    return {"type": "integer", "minimum": 0, "maximum": maximum, **extra}
+
+
+def _data_description() -> str:
+    lines = []
+    for kind, fields in wire.EVENT_DATA.items():
+        parts = []
+        for key, f in fields.items():
+            bits = [f.type]
+            if f.choices:
+                bits = ["one of " + wire.words(f.choices)]
+            elif f.type == "string":
+                bits.append(f"at most {f.max_len} characters")
+            elif f.maximum is not None:
+                bits.append(f"0..{f.maximum:g}" if f.type == "number" else f"0..{f.maximum}")
+            parts.append(f"`{key}`{' (required)' if f.required else ''}: {', '.join(bits)}")
+        lines.append(f"- `{kind}`: " + "; ".join(parts))
+    return "\n".join(lines)
 
 
 def _enum(e) -> list[str]:
@@ -17,8 +54,29 @@ def _num(nullable: bool = False) -> dict:
     return {"type": ["number", "null"]} if nullable else {"type": "number"}
 
 
+def openapi_schema(*, now: float | None = None) -> dict:
+    """The document, with its time bounds as of ``now`` (the server clock)."""
+    now = time.time() if now is None else now
+    doc = copy.deepcopy(_static())
+    schemas = doc["components"]["schemas"]
+    # Tightened by MARGIN_S, so that the bounds still hold when a client uses them a minute later.
+    skew, future, m = wire.MAX_CLOCK_SKEW_S, wire.MAX_FUTURE_S, MARGIN_S
+    doc["info"]["x-server-time"] = now
+    schemas["Batch"]["properties"]["sent_at"].update(minimum=now - skew + m, maximum=now + skew - m)
+    for name in ("Heartbeat", "Event"):
+        schemas[name]["properties"]["at"].update(minimum=now - settings.INGEST_MAX_AGE_S + m,
+                                                 maximum=now + skew - m + future)
+    return doc
+
+
 @cache
-def openapi_schema() -> dict:
+def _static() -> dict:
+    max_age = settings.INGEST_MAX_AGE_S
+    at = {"type": "number", "description": (
+        f"Unix seconds on the sender's clock. At most {wire.MAX_FUTURE_S:g} s after the batch's sent_at "
+        f"(not expressible in JSON Schema: refused with 422), and at most {max_age:.0f} s "
+        "(UNBROKEN_INGEST_MAX_AGE_S) before the server clock. minimum/maximum are as of this document's "
+        "info.x-server-time, tightened by a minute.")}
     error = {
         "type": "object",
         "required": ["error", "field"],
@@ -27,6 +85,10 @@ def openapi_schema() -> dict:
             "field": {"type": ["string", "null"],
                       "description": "Path of the offending field, e.g. `heartbeats[3].rank`; null when "
                                      "the problem is not one field."},
+            "stored": {"type": "object", "required": ["events", "heartbeats"], "additionalProperties": False,
+                       "description": "On 5xx: what of this batch the server kept (a retry of the whole "
+                                      "batch is safe either way).",
+                       "properties": {"events": {"type": "boolean"}, "heartbeats": {"type": "boolean"}}},
         },
         "additionalProperties": False,
     }
@@ -34,32 +96,33 @@ def openapi_schema() -> dict:
         "type": "object",
         "required": ["rank", "step", "phase", "at"],
         "properties": {
-            "rank": {"type": "integer", "minimum": 0, "description": "Must be below the job's world size."},
-            "step": {"type": "integer", "minimum": 0},
+            "rank": _int(wire.MAX_RANK, description="Must be below the job's world size."),
+            "step": _int(wire.MAX_STEP),
             "phase": {"type": "string", "enum": _enum(wire.Phase)},
-            "at": {"type": "number", "description": "Unix seconds on the sender's clock; at most "
-                                                    f"{wire.MAX_FUTURE_S:.0f} s after sent_at."},
+            "at": at,
             "loss": {**_num(True), "description": "Non-finite values are stored as null."},
-            "step_time_s": _num(True),
-            "tokens_per_s": _num(True),
-            "node": {"type": "string", "maxLength": 253},
-            "pid": {"type": ["integer", "null"], "minimum": 0},
+            "step_time_s": {**_num(True), "minimum": 0, "maximum": wire.MAX_DURATION_S},
+            "tokens_per_s": {**_num(True), "minimum": 0, "maximum": wire.MAX_TOKENS_PER_S},
+            "node": _text(wire.MAX_NODE_LEN),
+            "pid": {**_int(wire.MAX_PID), "type": ["integer", "null"]},
         },
     }
     event = {
         "type": "object",
         "required": ["id", "kind", "at"],
         "properties": {
-            "id": {"type": "string", "minLength": 1, "maxLength": wire.MAX_EVENT_ID_LEN,
-                   "description": "Unique per job; a repeated id is stored once (retries are harmless)."},
+            "id": _text(wire.MAX_EVENT_ID_LEN, minLength=1,
+                        description="Unique per job; a repeated id is stored once (retries are harmless)."),
             "kind": {"type": "string", "enum": _enum(wire.EventKind)},
-            "at": {"type": "number"},
-            "rank": {"type": ["integer", "null"], "minimum": 0},
+            "at": at,
+            "rank": {**_int(wire.MAX_RANK), "type": ["integer", "null"]},
             "data": {"type": "object", "maxProperties": wire.MAX_DATA_KEYS,
-                     "description": wire.EventKind.__doc__.strip() + "\n\nChecked per kind: cycle (cycle, mark "
-                     f"in {_enum(wire.CycleMark)}, layer, step), fault (fault in {_enum(wire.FaultClass)}), "
-                     f"checkpoint (step, state in {_enum(wire.CheckpointState)}, mode), command_ack "
-                     "(command_id, ok)."},
+                     "propertyNames": _text(wire.MAX_STRING_LEN),
+                     "description": wire.EventKind.__doc__.strip() + "\n\nAny JSON, nested at most "
+                     f"{wire.MAX_DATA_DEPTH} levels (this object is level 1), at most {wire.MAX_DATA_BYTES} bytes "
+                     f"encoded, strings of at most {wire.MAX_STRING_LEN} characters without NUL (\\u0000), "
+                     "integers within 64 bits. Checked per kind (422 naming the key otherwise):\n"
+                     + _data_description()},
         },
     }
     batch = {
@@ -67,9 +130,10 @@ def openapi_schema() -> dict:
         "required": ["sent_at"],
         "properties": {
             "v": {"type": "integer", "const": wire.WIRE_VERSION},
-            "sent_at": {"type": "number", "description": "Unix seconds; refused (422) when it differs from the "
-                                                         f"server clock by more than {wire.MAX_CLOCK_SKEW_S:.0f} s."},
-            "source": {"type": "string", "maxLength": 128},
+            "sent_at": {"type": "number", "description": (
+                f"Unix seconds; refused (422) when it differs from the server clock by more than "
+                f"{wire.MAX_CLOCK_SKEW_S:.0f} s. minimum/maximum are as of this document's info.x-server-time, tightened by a minute.")},
+            "source": _text(wire.MAX_SOURCE_LEN),
             "heartbeats": {"type": "array", "maxItems": wire.MAX_HEARTBEATS, "items": {"$ref": "#/components/schemas/Heartbeat"}},
             "events": {"type": "array", "maxItems": wire.MAX_EVENTS, "items": {"$ref": "#/components/schemas/Event"}},
         },
@@ -115,8 +179,8 @@ def openapi_schema() -> dict:
                 "post": {
                     "operationId": "ingest",
                     "summary": "Post a batch of heartbeats and events for one job",
-                    "description": "Validated whole, then written in one transaction: a refused batch writes "
-                                   "nothing. Idempotent per event id. A finished job's batches are still "
+                    "description": "Validated whole, then written: events in one transaction, heartbeats "
+                                   "after it (a 503 says what was kept); a refused batch writes nothing. Idempotent per event id. A finished job's batches are still "
                                    "accepted (late facts are kept) but get no commands.",
                     "security": [{"jobToken": []}],
                     "parameters": [{"name": "job_id", "in": "path", "required": True,
@@ -130,9 +194,12 @@ def openapi_schema() -> dict:
                         "401": err("Missing token, a token of another job, or no such job (not distinguished)."),
                         "405": err("Not a POST."),
                         "413": err(f"The body is over {settings.INGEST_MAX_BODY_BYTES} bytes."),
-                        "422": err("Valid JSON that breaks the wire format: wrong types, an unknown rank "
-                                   "(>= world size), clock skew, bad event data. `field` names it."),
-                        "503": err("The database is unavailable; retry (Retry-After)."),
+                        "422": err("Valid JSON that breaks the wire format: wrong types, a value out of "
+                                   "bounds, an unknown rank (>= world size), clock skew, a timestamp outside "
+                                   "its window, bad event data. `field` names it. Nothing is stored."),
+                        "500": err("An unexpected error before anything was stored; retry later."),
+                        "503": err("The database or the heartbeat store is unavailable; `stored` says what "
+                                   "was kept. Retry the whole batch (Retry-After; retries are safe)."),
                     },
                 }
             },

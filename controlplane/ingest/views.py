@@ -7,7 +7,7 @@ orjson in and out. Errors are ``{"error": "...", "field": "heartbeats[3].rank" |
 Status codes: 401 missing or wrong token, and also an unknown job (a wrong token cannot learn whether a
 job exists); 413 body over ``INGEST_MAX_BODY_BYTES``; 400 not JSON; 422 valid JSON that breaks the wire
 format (types, unknown ranks, clock skew, event data); 503 the database is unavailable (retry: every
-write is idempotent). A finished job still gets 200: its ranks' last events (``rank_finished``, a final
+write is idempotent; ``stored`` in the body says what was kept). A finished job still gets 200: its ranks' last events (``rank_finished``, a final
 checkpoint) race with the launcher seeing the exit, and facts are never refused for being late; the
 response's ``job_status`` tells the trainer, and a finished job gets no commands.
 """
@@ -132,12 +132,12 @@ def handle(job_id: int, authorization: str, content_length: str | None, body: by
         return _err(400, f"the body is not valid JSON: {e}")
 
     now_ts = time.time()
-    beats = ingestion.parse_heartbeats_fast(obj, now=now_ts, world_size=job.world_size)
+    max_age_s = settings.INGEST_MAX_AGE_S
+    beats = ingestion.parse_heartbeats_fast(obj, now=now_ts, world_size=job.world_size, max_age_s=max_age_s)
     batch = None
     if beats is None:
         try:
-            batch = parse_batch(obj, now=now_ts, world_size=job.world_size)
-            ingestion.check_batch(batch)
+            batch = parse_batch(obj, now=now_ts, world_size=job.world_size, max_age_s=max_age_s)
         except WireError as e:
             return _err(422, e.message, e.field)
         except TypeError:  # an unhashable value where wire.py looks up a vocabulary word (a list as phase)
@@ -152,21 +152,37 @@ def handle(job_id: int, authorization: str, content_length: str | None, body: by
             else:
                 result = ingestion.record_batch(job, batch, now=now)
             break
+        except ingestion.PartlyStored as e:
+            stored = ", ".join(f"{k} {'stored' if v else 'NOT stored'}" for k, v in e.stored.items())
+            return _err(503, f"the heartbeat store and the database fallback are unavailable: {stored}; "
+                             "retry the whole batch later (retries are safe)", headers=_RETRY, stored=e.stored)
         except OperationalError as e:  # deadlock, serialization failure, lost connection: retry, then 503
             if attempt == _DB_TRIES - 1:
                 log.error("ingest for job %s failed: %s", job_id, e)
-                return _err(503, "the database is unavailable; retry later (retries are safe)", headers=_RETRY)
+                return _err(503, "the database is unavailable; nothing was stored; retry later (retries are safe)",
+                            headers=_RETRY, stored={"events": False, "heartbeats": False})
     try:
         commands = _pending_commands(job)
-    except DatabaseError:
-        commands = []  # the batch is stored; commands come with the next one
+    except Exception:  # noqa: BLE001 - the batch is stored; commands come with the next one
+        log.warning("ingest: could not read job %s's pending commands", job_id, exc_info=True)
+        commands = []
     return 200, {"accepted": result.to_wire(), "commands": commands, "server_time": time.time(),
                  "job_status": job.status}, {}
 
 
-def _err(status: int, message: str, field: str | None = None,
-         headers: dict[str, str] | None = None) -> tuple[int, dict, dict]:
-    return status, {"error": message, "field": field or None}, headers or {}
+def _err(status: int, message: str, field: str | None = None, headers: dict[str, str] | None = None,
+         stored: dict[str, bool] | None = None) -> tuple[int, dict, dict]:
+    body: dict = {"error": message, "field": field or None}
+    if stored is not None:
+        body["stored"] = stored
+    return status, body, headers or {}
+
+
+# True whenever it is sent: anything raised out of ``handle`` was raised before the batch's transaction
+# committed (it rolled back), since what fails after the commit is answered by ``handle`` itself (503
+# with ``stored``; the training sample never raises).
+INTERNAL_ERROR = {"error": "internal error; the batch was not stored, retry later", "field": None,
+                  "stored": {"events": False, "heartbeats": False}}
 
 
 _RETRY = {"Retry-After": "1"}
@@ -184,10 +200,14 @@ def ingest(request: HttpRequest, job_id: int) -> HttpResponse:
     except ValueError:
         declared = 0
     body = b"" if declared > limit else request.read(declared or limit + 1)
-    status, payload, headers = handle(job_id, request.META.get("HTTP_AUTHORIZATION", ""),
-                                      request.META.get("CONTENT_LENGTH"), body)
+    try:
+        status, payload, headers = handle(job_id, request.META.get("HTTP_AUTHORIZATION", ""),
+                                          request.META.get("CONTENT_LENGTH"), body)
+    except Exception:
+        log.exception("ingest for job %s failed", job_id)
+        return _json(INTERNAL_ERROR, 500)
     return _json(payload, status, headers)
 
 
 def openapi(request: HttpRequest) -> HttpResponse:
-    return _json(openapi_schema())
+    return _json(openapi_schema(now=time.time()))

@@ -25,6 +25,13 @@ Accepted trade-offs (Redis store):
 
 Both stores write rows with the same upsert (``upsert_ranks``), which only ever moves a rank forward
 in time: a heartbeat older than the stored one changes nothing.
+
+Isolation: the flush reads every state back through the wire module's bounds (``wire.parse_heartbeat``)
+and writes per job, falling back to one rank at a time when a slice fails. A state that cannot be
+written (left in Redis by an older server that accepted unbounded values, or refused by the database)
+is quarantined: logged, removed from Redis (only if unchanged), and kept as a ``QuarantinedHeartbeat``
+row that ``/metrics`` counts and the job page shows. A job whose flush still fails is logged and stays
+dirty; every other job keeps flushing, and the flush never raises out of its loop.
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ import orjson
 from django.conf import settings
 from django.db import connection, transaction
 
+from trainer import wire
 from trainer.wire import Heartbeat, Phase
 
 log = logging.getLogger(__name__)
@@ -408,14 +416,66 @@ return n
 """
 
 
+# Remove a rank's state (and its deadline) only if it still holds what the flush read.
+_DROP_IF_SAME_LUA = """
+if redis.call('HGET', KEYS[1], ARGV[1]) == ARGV[2] then
+  redis.call('HDEL', KEYS[1], ARGV[1])
+  redis.call('ZREM', KEYS[2], ARGV[1])
+  return 1
+end
+return 0
+"""
+
+
 def _keep_newest(into: dict[int, RankState], st: RankState) -> None:
     prev = into.get(st.rank)
     if prev is None or st.at > prev.at:
         into[st.rank] = st
 
 
-def _state(raw: bytes) -> RankState:
-    return RankState.of(orjson.loads(raw[raw.find(b"|") + 1:]))
+# States read back from Redis: storable values only (the ingest window does not apply: a rank's
+# state may rightly be older than it; a state from beyond tomorrow was never a real clock reading).
+def _stored_window() -> wire.Window:
+    return wire.Window(earliest=0.0, latest=time.time() + 86400.0)
+
+
+def _state(raw: bytes, world_size: int | None = None, window: wire.Window | None = None) -> RankState:
+    """A stored state, checked against the wire bounds; raises ``ValueError`` (a ``WireError`` naming
+    the field, or a JSON error) when it cannot be written to a ``Rank`` row."""
+    try:
+        d = orjson.loads(raw[raw.find(b"|") + 1:])
+        h = wire.parse_heartbeat(d, "state", window or _stored_window(), world_size)
+    except TypeError as e:  # an unhashable value where a vocabulary word belongs
+        raise ValueError(f"state: {e}") from e
+    return RankState(h.rank, h.at, h.step, h.at, h.phase, h.loss, h.step_time_s, h.tokens_per_s, h.node, h.pid)
+
+
+def _printable(raw: bytes | str, limit: int) -> str:
+    """Text a Postgres text column can hold (NULs escaped), truncated."""
+    text = raw.decode("utf-8", "backslashreplace") if isinstance(raw, bytes) else raw
+    return text.replace("\x00", "\\x00")[:limit]
+
+
+def record_quarantine(job_id: int, rank: int | None, reason: str, payload: bytes | str, *, now: datetime) -> None:
+    """Keep (count) a state the flush could not write, at most ``QuarantinedHeartbeat.PER_JOB`` rows per
+    job (further ranks are counted on the job's ``rank=None`` row). Never raises: logged instead."""
+    from django.db.models import F
+
+    from controlplane.jobs.models import QuarantinedHeartbeat as Q
+
+    reason, text = _printable(reason, 1000), _printable(payload, 2000)
+    try:
+        with transaction.atomic():
+            fields = {"reason": reason, "payload": text, "at": now, "count": F("count") + 1}
+            if Q.objects.filter(job_id=job_id, rank=rank).update(**fields):
+                return
+            if rank is not None and Q.objects.filter(job_id=job_id).count() >= Q.PER_JOB:
+                rank = None
+                if Q.objects.filter(job_id=job_id, rank=None).update(**fields):
+                    return
+            Q.objects.create(job_id=job_id, rank=rank, reason=reason, payload=text, at=now)
+    except Exception:  # noqa: BLE001 - the log line is the record then
+        log.exception("heartbeat flush: could not store the quarantine of job %s rank %s", job_id, rank)
 
 
 class RedisHeartbeatStore:
@@ -447,6 +507,7 @@ class RedisHeartbeatStore:
         self._record = self.redis.register_script(_RECORD_LUA)
         self._take = self.redis.register_script(_TAKE_DIRTY_LUA)
         self._forget = self.redis.register_script(_FORGET_LUA)
+        self._drop_if_same = self.redis.register_script(_DROP_IF_SAME_LUA)
 
     def keys(self, job_id: int) -> tuple[str, str, str]:
         """The job's state hash, deadline zset and progress hash."""
@@ -493,7 +554,8 @@ class RedisHeartbeatStore:
            transaction (a rank whose beat is not newer than its row is skipped by the upsert's WHERE);
            then fold the job's progress. Between slices the flusher pauses as long as the slice took
            (``FLUSH_DUTY``): a 100k-rank flush is ~1 s of CPU, and spent in one burst it doubled the
-           ingest p99 on a 2-core machine.
+           ingest p99 on a 2-core machine. A state that cannot be written is quarantined (see the
+           module docstring); a job that fails anyway is logged and put back in the dirty set.
         4. Delete the flushing set only after the commits; a crash before that repeats step 3.
         """
         from controlplane.jobs.models import Job
@@ -506,13 +568,22 @@ class RedisHeartbeatStore:
             if not self._take(keys=[self.DIRTY, self.FLUSHING]):
                 return 0
             job_ids = [int(j) for j in self.redis.smembers(self.FLUSHING)]
-            specs = dict(Job.objects.filter(pk__in=job_ids).values_list("pk", "spec"))
+            jobs = {j.pk: j for j in Job.objects.filter(pk__in=job_ids).only("pk", "spec")}
             n = 0
+            failed = []
             for job_id in job_ids:
-                if job_id not in specs:
-                    self.drop_job(job_id)
-                    continue
-                n += self._flush_job(job_id, Timeouts.of(specs[job_id]), now, token)
+                try:
+                    if job_id not in jobs:
+                        self.drop_job(job_id)
+                        continue
+                    job = jobs[job_id]
+                    n += self._flush_job(job_id, Timeouts.of(job.spec), now, token, world_size=job.world_size)
+                except Exception:  # one job's failure must not hold up any other job's rows
+                    log.exception("heartbeat flush: job %s failed; it is retried by the next flush", job_id)
+                    failed.append(job_id)
+                self._extend_lock(token)
+            if failed:
+                self.redis.sadd(self.DIRTY, *failed)
             self.redis.delete(self.FLUSHING)
             return n
         finally:
@@ -523,28 +594,84 @@ class RedisHeartbeatStore:
     FLUSH_SLICE = 5000  # ranks per HSCAN step and per upsert transaction
     FLUSH_DUTY = 0.5  # the flusher's share of its wall time spent working, between slices
 
-    def _flush_job(self, job_id: int, timeouts: Timeouts, now: datetime, token: str) -> int:
+    def _extend_lock(self, token: str) -> None:
+        if self.redis.get(self.FLUSH_LOCK) == token.encode():
+            self.redis.pexpire(self.FLUSH_LOCK, 60_000)  # still ours, still working
+
+    def _flush_job(self, job_id: int, timeouts: Timeouts, now: datetime, token: str, *,
+                   world_size: int | None = None) -> int:
         key = self.keys(job_id)[0]
+        window = _stored_window()
         newest: dict[int, RankState] = {}  # every rank's newest state seen (for the job's progress)
         cursor, n = 0, 0
         while True:
             t0 = time.monotonic()
             cursor, part = self.redis.hscan(key, cursor, count=self.FLUSH_SLICE)
             states: dict[int, RankState] = {}  # HSCAN may return a field twice: the newest wins
-            for raw in part.values():
-                _keep_newest(states, _state(raw))
-            with transaction.atomic():
-                n += upsert_ranks(job_id, states.values(), timeouts, now=now)
+            raws: dict[int, tuple[bytes, bytes]] = {}
+            for field, raw in part.items():
+                try:
+                    st = _state(raw, world_size, window)
+                except ValueError as e:
+                    self.quarantine(job_id, field, raw, str(e), now=now)
+                    continue
+                _keep_newest(states, st)
+                if states[st.rank] is st:
+                    raws[st.rank] = (field, raw)
+            try:
+                with transaction.atomic():
+                    n += upsert_ranks(job_id, states.values(), timeouts, now=now)
+            except Exception as e:  # noqa: BLE001 - find the rows the database refuses, write the others
+                log.warning("heartbeat flush: job %s: a slice failed (%s); writing its ranks one by one", job_id, e)
+                for st in list(states.values()):
+                    try:
+                        with transaction.atomic():
+                            n += upsert_ranks(job_id, [st], timeouts, now=now)
+                    except Exception as e1:  # noqa: BLE001
+                        field, raw = raws[st.rank]
+                        self.quarantine(job_id, field, raw, f"the database refused it: {e1}", now=now)
+                        del states[st.rank]
             for st in states.values():
                 _keep_newest(newest, st)
             if cursor == 0:
                 break
-            if self.redis.get(self.FLUSH_LOCK) == token.encode():
-                self.redis.pexpire(self.FLUSH_LOCK, 60_000)  # still ours, still working
+            self._extend_lock(token)
             time.sleep((time.monotonic() - t0) * (1 - self.FLUSH_DUTY) / self.FLUSH_DUTY)
-        top, first_train = self.progress(job_id)
+        top, first_train = self._checked_progress(job_id, window, now)
         update_job_progress(job_id, newest.values(), top=top, first_train=first_train)
         return n
+
+    def quarantine(self, job_id: int, field: bytes, raw: bytes, reason: str, *, now: datetime) -> None:
+        """Take a state that cannot be written out of Redis (unless a newer beat replaced it since it
+        was read) and keep it, with the reason, as a ``QuarantinedHeartbeat``."""
+        rank = int(field) if field.isdigit() and int(field) <= wire.MAX_RANK else None
+        log.warning("heartbeat flush: quarantined job %s rank %s: %s", job_id, rank, _printable(reason, 300))
+        try:
+            self._drop_if_same(keys=list(self.keys(job_id)[:2]), args=[field, raw])
+        except Exception:  # noqa: BLE001 - the next flush quarantines it again
+            log.warning("heartbeat flush: could not remove job %s rank %s's state", job_id, rank, exc_info=True)
+        record_quarantine(job_id, rank, reason, raw, now=now)
+
+    def _checked_progress(self, job_id: int, window: wire.Window, now: datetime
+                          ) -> tuple[tuple[int, float] | None, float | None]:
+        """``progress()``, with values that cannot be stored quarantined (rank None) and removed."""
+        key = self.keys(job_id)[2]
+        raw = self.redis.hgetall(key)
+        top = first = None
+        try:
+            if b"max_step" in raw:
+                step, at = int(raw[b"max_step"]), float(raw[b"progress_at"])
+                if not 0 <= step <= wire.MAX_STEP:
+                    raise ValueError(f"progress: max_step {step} is outside 0..{wire.MAX_STEP}")
+                top = (step, window.check(at, "progress.progress_at"))
+            if b"first_train_at" in raw:
+                first = window.check(float(raw[b"first_train_at"]), "progress.first_train_at")
+        except (ValueError, KeyError) as e:
+            log.warning("heartbeat flush: quarantined job %s's progress: %s", job_id, e)
+            self.redis.delete(key)
+            record_quarantine(job_id, None, str(e), repr(raw), now=now)
+            return None, None
+        return top, first
 
     def overdue(self, now: datetime, *, limit: int = 10000) -> list[tuple[int, int, float]]:
         """(job_id, rank, deadline) of every rank whose deadline passed."""
@@ -562,9 +689,13 @@ class RedisHeartbeatStore:
         key = self.keys(job_id)[0]
         for i in range(0, len(ranks), 5000):
             for raw in self.redis.hmget(key, ranks[i:i + 5000]):
-                if raw is not None:
+                if raw is None:
+                    continue
+                try:
                     st = _state(raw)
-                    out[st.rank] = st
+                except ValueError:  # cannot be written: the flush quarantines it; judge by the row
+                    continue
+                out[st.rank] = st
         return out
 
     def forget(self, entries: list[tuple[int, int, float]]) -> None:

@@ -1,7 +1,8 @@
 """Facts in: store a validated batch (``trainer.wire.Batch``) and derive facts from its new events.
 
-Plain functions, no HTTP: ``check_batch`` completes validation (per-kind event data) and
-``record_batch`` writes. The ingest view is a thin adapter around them.
+Plain functions, no HTTP: ``wire.parse_batch`` validates (the one definition of the wire format and
+its bounds), ``parse_heartbeats_fast`` is the hot path's unrolled validator for heartbeat-only batches
+(same rules, same constants), and ``record_batch`` writes. The ingest view is a thin adapter around them.
 
 1. Events are inserted with ``ON CONFLICT (job_id, event_id) DO NOTHING RETURNING event_id``; facts
    are derived only from the rows this call inserted, so a retried or duplicated batch changes nothing.
@@ -10,18 +11,22 @@ Plain functions, no HTTP: ``check_batch`` completes validation (per-kind event d
    rank rows only move forward in heartbeat time.
 3. Everything for the database happens in ONE transaction. With the Redis heartbeat store, heartbeats
    go to Redis after that commit; if Redis is unreachable they go to the database instead (a second
-   short transaction), so a Redis outage neither loses heartbeats nor blinds the watchdog.
+   short transaction), so a Redis outage neither loses heartbeats nor blinds the watchdog. If that
+   fails too, ``PartlyStored`` says what the committed transaction holds (the view answers 503 with
+   it); anything raised before the commit rolled everything back.
+4. The training sample (``_maybe_sample``) is best effort: it never fails or partly fails a batch.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from django.db import DatabaseError, connection, transaction
+from django.db import connection, transaction
 from django.db.models import Q
 
 from controlplane.jobs import heartbeats as hb_store
@@ -40,28 +45,28 @@ from controlplane.jobs.models import (
 )
 from controlplane.jobs.services import set_status
 from trainer.wire import (
+    DEFAULT_MAX_AGE_S,
     MAX_CLOCK_SKEW_S,
+    MAX_DURATION_S,
     MAX_FUTURE_S,
     MAX_HEARTBEATS,
+    MAX_NODE_LEN,
+    MAX_PID,
+    MAX_SOURCE_LEN,
+    MAX_STEP,
+    MAX_TOKENS_PER_S,
     WIRE_VERSION,
     Batch,
     CheckpointMode,
     CheckpointState,
     CycleMark,
     EventKind,
-    FaultClass,
     Layer,
     Phase,
-    WireError,
 )
 
 log = logging.getLogger(__name__)
 
-_MARKS = frozenset(CycleMark)
-_FAULTS = frozenset(FaultClass)
-_LAYERS = frozenset(Layer)
-_CKPT_STATES = frozenset(CheckpointState)
-_CKPT_MODES = frozenset(CheckpointMode)
 _FINAL_CKPT = (CheckpointState.DURABLE, CheckpointState.FAILED, CheckpointState.ABANDONED)
 _OPEN_COMMANDS = (CommandStatus.PENDING, CommandStatus.DELIVERED)
 _PHASE_SET = frozenset(p.value for p in Phase)
@@ -69,7 +74,9 @@ _HB_KEYS = frozenset({"rank", "step", "phase", "at", "loss", "step_time_s", "tok
 _NUMBER = frozenset({int, float})
 _OPT_NUMBER = frozenset({int, float, type(None)})
 _OPT_INT = frozenset({int, type(None)})
-_DICT, _INT, _STR = frozenset({dict}), frozenset({int}), frozenset({str})
+_DICT, _INT, _STR, _NONE = frozenset({dict}), frozenset({int}), frozenset({str}), frozenset({type(None)})
+# Optional number columns of a heartbeat and their bounds (None: any finite value).
+_OPT_FLOATS = (("loss", None), ("step_time_s", MAX_DURATION_S), ("tokens_per_s", MAX_TOKENS_PER_S))
 
 
 def _types(values: list) -> frozenset:
@@ -86,67 +93,18 @@ class IngestResult:
         return {"heartbeats": self.heartbeats, "events": self.events, "duplicates": self.duplicates}
 
 
-# --- validation of event data (the envelope is checked by wire.parse_batch) --------------------------
-
-
-def _want(data: dict, key: str, path: str, kinds: tuple[type, ...], *, required: bool = False,
-          choices: frozenset | None = None, max_len: int = 200) -> None:
-    v = data.get(key)
-    if v is None:
-        if required:
-            raise WireError("is required", f"{path}.data.{key}")
-        return
-    if type(v) not in kinds or (int in kinds and type(v) is int and v < 0):
-        names = {int: "a non-negative integer", float: "a number", str: "a string", bool: "true or false"}
-        raise WireError("must be " + " or ".join(names[k] for k in kinds if k in names), f"{path}.data.{key}")
-    if choices is not None and v not in choices:
-        raise WireError(f"must be one of {sorted(choices)}", f"{path}.data.{key}")
-    if type(v) is str and len(v) > max_len:
-        raise WireError(f"must be at most {max_len} characters", f"{path}.data.{key}")
-
-
-def check_batch(batch: Batch) -> None:
-    """Check each event's ``data`` for its kind; raise ``WireError`` naming the first bad field."""
-    for i, e in enumerate(batch.events):
-        path, d = f"events[{i}]", e.data
-        if e.kind == EventKind.CYCLE:
-            _want(d, "cycle", path, (str,), required=True, max_len=64)
-            if not d["cycle"]:
-                raise WireError("must not be empty", f"{path}.data.cycle")
-            _want(d, "mark", path, (str,), required=True, choices=_MARKS)
-            _want(d, "layer", path, (str,), choices=_LAYERS)
-            _want(d, "step", path, (int,))
-        elif e.kind == EventKind.FAULT:
-            _want(d, "fault", path, (str,), required=True, choices=_FAULTS)
-            _want(d, "cycle", path, (str,), max_len=64)
-            _want(d, "detected_by", path, (str,), max_len=40)
-            _want(d, "message", path, (str,), max_len=4096)
-            _want(d, "node", path, (str,), max_len=253)
-            _want(d, "step", path, (int,))
-        elif e.kind == EventKind.CHECKPOINT:
-            _want(d, "step", path, (int,), required=True)
-            _want(d, "state", path, (str,), required=True, choices=_CKPT_STATES)
-            _want(d, "mode", path, (str,), choices=_CKPT_MODES)
-            _want(d, "attempt_key", path, (str,), max_len=64)
-            for k in ("blocking_s", "write_s"):
-                _want(d, k, path, (int, float))
-            _want(d, "bytes", path, (int,))
-        elif e.kind == EventKind.COMMAND_ACK:
-            _want(d, "command_id", path, (int,), required=True)
-            _want(d, "ok", path, (bool,), required=True)
-            _want(d, "detail", path, (str,), max_len=4096)
-
-
 # --- writing -------------------------------------------------------------------------------------------
 
 
-def parse_heartbeats_fast(obj: Any, *, now: float, world_size: int) -> list[dict] | None:
+def parse_heartbeats_fast(obj: Any, *, now: float, world_size: int,
+                          max_age_s: float = DEFAULT_MAX_AGE_S) -> list[dict] | None:
     """The hot path's validator for the common batch: heartbeats only, known keys only.
 
-    Returns the heartbeat dicts when they are certainly valid (the same rules as ``wire.parse_batch``,
-    unrolled: ~5x cheaper than building ``Heartbeat`` objects), else ``None``: the caller then runs
-    ``wire.parse_batch``, which accepts or names the offending field. Never accepts what ``parse_batch``
-    refuses (tests/controlplane/jobs/test_ingestion.py compares the two on mutated batches).
+    Returns the heartbeat dicts when they are certainly valid (the same rules and bound constants as
+    ``wire.parse_batch``, checked column-wise: ~5x cheaper than building ``Heartbeat`` objects), else
+    ``None``: the caller then runs ``wire.parse_batch``, which accepts or names the offending field.
+    Never accepts what ``parse_batch`` refuses (tests/controlplane/jobs/test_ingestion.py compares the
+    two on mutated batches). Input is orjson's: numbers are finite, strings valid Unicode.
     """
     if type(obj) is not dict or obj.get("events"):
         return None
@@ -157,8 +115,8 @@ def parse_heartbeats_fast(obj: Any, *, now: float, world_size: int) -> list[dict
     hbs = obj.get("heartbeats")
     source = obj.get("source", "")
     if (type(sent_at) not in _NUMBER or abs(sent_at - now) > MAX_CLOCK_SKEW_S or type(hbs) is not list
-            or len(hbs) > MAX_HEARTBEATS or type(source) is not str or len(source) > 128
-            or ("events" in obj and type(obj["events"]) is not list)):
+            or len(hbs) > MAX_HEARTBEATS or type(source) is not str or len(source) > MAX_SOURCE_LEN
+            or "\x00" in source or ("events" in obj and type(obj["events"]) is not list)):
         return None
     if not hbs:
         return hbs
@@ -170,25 +128,38 @@ def parse_heartbeats_fast(obj: Any, *, now: float, world_size: int) -> list[dict
     ats = [h.get("at") for h in hbs]
     phases = [h.get("phase") for h in hbs]
     if (_types(ranks) != _INT or min(ranks) < 0 or max(ranks) >= world_size
-            or _types(steps) != _INT or min(steps) < 0
-            or not _types(ats) <= _NUMBER or max(ats) > sent_at + MAX_FUTURE_S
+            or _types(steps) != _INT or min(steps) < 0 or max(steps) > MAX_STEP
+            or not _types(ats) <= _NUMBER or max(ats) > sent_at + MAX_FUTURE_S or min(ats) < now - max_age_s
+            or not math.isfinite(sum(ats))
             or _types(phases) != _STR or not _PHASE_SET.issuperset(phases)):
         return None
-    for k in ("loss", "step_time_s", "tokens_per_s"):
-        if not _types([h.get(k) for h in hbs]) <= _OPT_NUMBER:
+    for k, hi in _OPT_FLOATS:
+        col = [h.get(k) for h in hbs]
+        types = _types(col)
+        if types == _NONE:
+            continue
+        if not types <= _OPT_NUMBER:
+            return None
+        vals = [x for x in col if x is not None]
+        # A non-finite value (stored as null by parse_batch) or an overflowing sum: the slow path decides.
+        if not math.isfinite(sum(vals)) or (hi is not None and (min(vals) < 0 or max(vals) > hi)):
             return None
     nodes = [h.get("node", "") for h in hbs]
-    if _types(nodes) != _STR or max(map(len, nodes)) > 253:
+    if _types(nodes) != _STR or max(map(len, nodes)) > MAX_NODE_LEN or "\x00" in "".join(nodes):
         return None
     pids = [h.get("pid") for h in hbs]
-    if not _types(pids) <= _OPT_INT or min((p for p in pids if p is not None), default=0) < 0:
+    if not _types(pids) <= _OPT_INT:
         return None
+    if _types(pids) != _NONE:
+        given = [p for p in pids if p is not None]
+        if min(given) < 0 or max(given) > MAX_PID:
+            return None
     return hbs
 
 
 def record_batch(job: Job, batch: Batch, *, now: datetime,
                  store: hb_store.HeartbeatStore | None = None) -> IngestResult:
-    """Store ``batch`` for ``job`` (already authorised and validated by ``parse_batch``/``check_batch``)."""
+    """Store ``batch`` for ``job`` (already authorised and validated by ``wire.parse_batch``)."""
     return _record(job, [hb_store.beat_dict(h) for h in batch.heartbeats], batch.events, batch.source,
                    now=now, store=store)
 
@@ -197,6 +168,16 @@ def record_heartbeats(job: Job, beats: list[dict], *, now: datetime,
                       store: hb_store.HeartbeatStore | None = None) -> IngestResult:
     """Store heartbeat dicts accepted by ``parse_heartbeats_fast`` (a batch without events)."""
     return _record(job, beats, [], "", now=now, store=store)
+
+
+class PartlyStored(Exception):
+    """The batch's database transaction committed, then its heartbeats could be stored nowhere (the
+    heartbeat store failed and so did the database fallback). ``stored`` says what is kept; a retry
+    of the whole batch is safe (events are stored once, heartbeats only move forward)."""
+
+    def __init__(self, stored: dict[str, bool], cause: Exception):
+        super().__init__(f"stored {stored}: {cause}")
+        self.stored = stored
 
 
 def _record(job: Job, beats: list[dict], events: list[Any], source: str, *, now: datetime,
@@ -222,8 +203,12 @@ def _record(job: Job, beats: list[dict], events: list[Any], source: str, *, now:
             store.record(job.pk, beats, timeouts, now=now)
         except Exception as e:  # noqa: BLE001 - any store failure: keep the facts in the database instead
             log.warning("heartbeat store failed (%s); writing job %s's heartbeats to the database", e, job.pk)
-            with transaction.atomic():
-                hb_store.DbHeartbeatStore().record(job.pk, beats, timeouts, now=now)
+            try:
+                with transaction.atomic():
+                    hb_store.DbHeartbeatStore().record(job.pk, beats, timeouts, now=now)
+            except Exception as e2:
+                log.error("job %s: heartbeats stored nowhere (store: %s; database: %s)", job.pk, e, e2)
+                raise PartlyStored({"events": bool(events), "heartbeats": False}, e2) from e2
     if beats:
         _maybe_sample(job, beats, now)
     return IngestResult(heartbeats=len(beats), events=n_new, duplicates=len(events) - n_new)
@@ -231,24 +216,30 @@ def _record(job: Job, beats: list[dict], events: list[Any], source: str, *, now:
 
 SAMPLE_INTERVAL_S = 2.0
 _last_sample: dict[int, float] = {}  # job id -> monotonic time of this process's last sample
+sample_failures = 0  # training samples this process could not store (logged each time)
 
 
 def _maybe_sample(job: Job, beats: list[dict], now: datetime) -> None:
     """Keep one heartbeat (the lowest rank's) every SAMPLE_INTERVAL_S per job and process, for the
-    loss and throughput charts. Best effort: a failure here never fails the batch."""
-    t = time.monotonic()
-    if t - _last_sample.get(job.pk, -1e9) < SAMPLE_INTERVAL_S:
-        return
-    b = min(beats, key=lambda b: b["rank"])
-    if b["phase"] != Phase.TRAIN:
-        return
-    _last_sample[job.pk] = t
+    loss and throughput charts. Best effort: runs after the batch is stored and never raises, so it
+    can neither fail the batch nor turn a stored batch into an error."""
+    global sample_failures
     try:
-        TrainingSample.objects.create(job_id=job.pk, at=hb_store.utc(b["at"]), rank=b["rank"], step=b["step"],
-                                      loss=b.get("loss"), step_time_s=b.get("step_time_s"),
-                                      tokens_per_s=b.get("tokens_per_s"))
-    except DatabaseError:
-        log.warning("could not store a training sample for job %s", job.pk, exc_info=True)
+        t = time.monotonic()
+        if t - _last_sample.get(job.pk, -1e9) < SAMPLE_INTERVAL_S:
+            return
+        b = min(beats, key=lambda b: b["rank"])
+        if b["phase"] != Phase.TRAIN:
+            return
+        _last_sample[job.pk] = t
+        with transaction.atomic():  # a savepoint inside a caller's transaction: a failure leaves it usable
+            TrainingSample.objects.create(job_id=job.pk, at=hb_store.utc(b["at"]), rank=b["rank"],
+                                          step=b["step"], loss=b.get("loss"), step_time_s=b.get("step_time_s"),
+                                          tokens_per_s=b.get("tokens_per_s"))
+    except Exception:  # noqa: BLE001 - a chart point is not worth an error answer
+        sample_failures += 1
+        log.warning("could not store a training sample for job %s (%d so far)", job.pk, sample_failures,
+                    exc_info=True)
 
 
 def _maybe_running(job: Job, beats: list[dict]) -> None:

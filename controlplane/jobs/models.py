@@ -399,3 +399,25 @@ class Notification(models.Model):
     class Meta:
         constraints = [models.UniqueConstraint(fields=["job", "transition_key", "channel"], name="uniq_notification")]
         indexes = [models.Index(fields=["sent_at"], name="notification_unsent", condition=models.Q(sent_at__isnull=True))]
+
+
+class QuarantinedHeartbeat(models.Model):
+    """Heartbeat state the flush could not write (left in Redis by an older server, or refused by the
+    database): one row per (job, rank) with the latest reason and raw state, and how often it happened.
+    ``rank`` is null for the job's progress state, and for the ranks past ``PER_JOB`` rows."""
+
+    PER_JOB = 100
+
+    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="quarantined")
+    rank = models.IntegerField(null=True, blank=True)
+    reason = models.TextField()
+    payload = models.TextField(blank=True)  # the raw state, NULs escaped, truncated
+    at = models.DateTimeField(default=timezone.now)
+    count = models.IntegerField(default=1)
+
+    class Meta:
+        indexes = [models.Index(fields=["job", "rank"])]
+        ordering = ["job", "-at"]
+
+    def __str__(self) -> str:
+        return f"job {self.job_id} rank {self.rank}: {self.reason}"

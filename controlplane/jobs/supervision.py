@@ -42,8 +42,17 @@ class WatchdogResult:
 
 
 def run_watchdog(now: datetime | None = None, *, store: hb_store.HeartbeatStore | None = None) -> WatchdogResult:
+    """One pass of every check; a check that fails is logged and does not stop the others (each check
+    also isolates its jobs from one another)."""
     now = now or timezone.now()
-    return WatchdogResult(lost=mark_overdue(now, store=store), stalled=mark_stalled(now), storms=stop_storms(now))
+    result = WatchdogResult()
+    for name, check in (("lost", lambda: mark_overdue(now, store=store)), ("stalled", lambda: mark_stalled(now)),
+                        ("storms", lambda: stop_storms(now))):
+        try:
+            setattr(result, name, check())
+        except Exception:
+            log.exception("watchdog: the %s check failed", name)
+    return result
 
 
 def _claim(column: str, job_id: int, ranks: list[int], now: datetime, condition: str) -> list[int]:
@@ -156,30 +165,37 @@ def mark_stalled(now: datetime | None = None) -> int:
         by_job.setdefault(j, []).append(r)
     n = 0
     for job_id, ranks in sorted(by_job.items()):
-        with transaction.atomic():
-            claimed = _claim("stalled_at", job_id, sorted(ranks), now,
-                             "stalled_at IS NULL AND lost_at IS NULL AND stall_at < %s")
-            if not claimed:
-                continue
-            job = Job.objects.get(pk=job_id)
-            rows = []
-            for r in Rank.objects.filter(job_id=job_id, rank__in=claimed):
-                since = r.step_changed_at or now
-                rows.append(Fault(
-                    job=job, fault_class=FaultClass.STALLED, rank=r.rank, node=r.node, detected_by="watchdog",
-                    message=f"rank {r.rank} is alive but has been at step {r.last_step} for "
-                            f"{(now - since).total_seconds():.0f} s (phase {r.phase})",
-                    at=since, detected_at=now,
-                    source_key=f"stalled:{r.rank}:{int(since.timestamp() * 1000)}"))
-            Fault.objects.bulk_create(rows, ignore_conflicts=True)
-            step = min(r.last_step for r in Rank.objects.filter(job_id=job_id, rank__in=claimed))
-            progress = job.last_progress_at.timestamp() if job.last_progress_at else 0.0
-            notifications.enqueue(
-                job, Notification.Transition.STALLED, f"stalled:{progress:.3f}",
-                f"Job #{job.pk} {job.name} is stalled: {len(claimed)} rank(s) alive but stuck at step {step} "
-                f"for over {float(job.spec.get('stall_timeout_s', 120.0)):.0f} s.", now=now)
-        n += len(claimed)
+        try:
+            n += _mark_job_stalled(job_id, ranks, now)
+        except Exception:  # one job's failure must not stop the others' detection
+            log.exception("watchdog: marking stalled ranks of job %s failed", job_id)
     return n
+
+
+def _mark_job_stalled(job_id: int, ranks: list[int], now: datetime) -> int:
+    with transaction.atomic():
+        claimed = _claim("stalled_at", job_id, sorted(ranks), now,
+                         "stalled_at IS NULL AND lost_at IS NULL AND stall_at < %s")
+        if not claimed:
+            return 0
+        job = Job.objects.get(pk=job_id)
+        rows = []
+        for r in Rank.objects.filter(job_id=job_id, rank__in=claimed):
+            since = r.step_changed_at or now
+            rows.append(Fault(
+                job=job, fault_class=FaultClass.STALLED, rank=r.rank, node=r.node, detected_by="watchdog",
+                message=f"rank {r.rank} is alive but has been at step {r.last_step} for "
+                        f"{(now - since).total_seconds():.0f} s (phase {r.phase})",
+                at=since, detected_at=now,
+                source_key=f"stalled:{r.rank}:{int(since.timestamp() * 1000)}"))
+        Fault.objects.bulk_create(rows, ignore_conflicts=True)
+        step = min(r.last_step for r in Rank.objects.filter(job_id=job_id, rank__in=claimed))
+        progress = job.last_progress_at.timestamp() if job.last_progress_at else 0.0
+        notifications.enqueue(
+            job, Notification.Transition.STALLED, f"stalled:{progress:.3f}",
+            f"Job #{job.pk} {job.name} is stalled: {len(claimed)} rank(s) alive but stuck at step {step} "
+            f"for over {float(job.spec.get('stall_timeout_s', 120.0)):.0f} s.", now=now)
+    return len(claimed)
 
 
 def stop_storms(now: datetime | None = None) -> int:
@@ -195,21 +211,28 @@ def stop_storms(now: datetime | None = None) -> int:
               .values("job").annotate(n=Count("id")).values_list("job", "n"))
     stopped = 0
     for job_id, count in counts:
-        job = Job.objects.get(pk=job_id)
-        limit = int(job.spec.get("storm_restarts", 5))
-        if count < limit:
-            continue
-        reason = (f"restart storm: {count} restarts without step progress past step {job.max_step} "
-                  f"(storm_restarts={limit})")
-        with transaction.atomic():
-            if not set_status(job, JobStatus.FAILED, reason, only_from=(JobStatus.RUNNING, JobStatus.RECOVERING)):
-                continue
-            notifications.enqueue(job, Notification.Transition.STORM, "storm",
-                                  f"Job #{job.pk} {job.name} stopped: {reason}.", now=now)
-            transaction.on_commit(lambda job_id=job.pk: request_stop(job_id))
-        log.error("job %s: %s", job.pk, reason)
-        stopped += 1
+        try:
+            stopped += _stop_storm(job_id, count, now)
+        except Exception:  # one job's failure must not stop the others' checks
+            log.exception("watchdog: the restart-storm check of job %s failed", job_id)
     return stopped
+
+
+def _stop_storm(job_id: int, count: int, now: datetime) -> int:
+    job = Job.objects.get(pk=job_id)
+    limit = int(job.spec.get("storm_restarts", 5))
+    if count < limit:
+        return 0
+    reason = (f"restart storm: {count} restarts without step progress past step {job.max_step} "
+              f"(storm_restarts={limit})")
+    with transaction.atomic():
+        if not set_status(job, JobStatus.FAILED, reason, only_from=(JobStatus.RUNNING, JobStatus.RECOVERING)):
+            return 0
+        notifications.enqueue(job, Notification.Transition.STORM, "storm",
+                              f"Job #{job.pk} {job.name} stopped: {reason}.", now=now)
+        transaction.on_commit(lambda job_id=job.pk: request_stop(job_id))
+    log.error("job %s: %s", job.pk, reason)
+    return 1
 
 
 def request_stop(job_id: int) -> None:

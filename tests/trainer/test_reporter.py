@@ -27,7 +27,7 @@ def test_it_batches_heartbeats_and_events(tmp_path, receiver):
     rep = make(tmp_path, receiver.url, interval_s=0.5)
     for i in range(200):
         rep.heartbeat(step=i, phase="train", loss=1.0 / (i + 1), step_time_s=0.01, tokens_per_s=100.0)
-        rep.event(EventKind.CHECKPOINT, {"step": i})
+        rep.event(EventKind.CHECKPOINT, {"step": i, "state": "in_flight"})  # parse_batch checks data per kind
     rep.close()
     assert len(receiver.heartbeats()) == 200 and len(receiver.events()) == 200
     assert len(receiver.batches) <= 3
