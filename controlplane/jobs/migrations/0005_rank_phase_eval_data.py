@@ -7,7 +7,7 @@ from django.db import migrations, models
 class Migration(migrations.Migration):
 
     dependencies = [
-        ('jobs', '0003_training_samples'),
+        ('jobs', '0004_quarantined_heartbeats'),
     ]
 
     operations = [
