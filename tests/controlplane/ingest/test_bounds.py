@@ -90,7 +90,7 @@ def test_it_refuses_an_unstorable_event_naming_the_field(post, hb_store, event, 
 def test_it_lists_allowed_values_as_plain_words(post, hb_store):
     job, token = make_job()
     r = post(job, token, batch([hb(0, phase="dancing")]))
-    assert r.json() == {"error": "must be one of checkpoint_load, checkpoint_save, init, restarting, stopped, train",
+    assert r.json() == {"error": "must be one of checkpoint_load, checkpoint_save, data, eval, init, restarting, stopped, train",
                         "field": "heartbeats[0].phase"}
     r = post(job, token, batch(events=[ev("c1", "cycle", {"cycle": "a0-ij1", "mark": "lunch_at"})]))
     assert r.json()["error"] == ("must be one of aborted_at, checkpoint_loaded_at, detected_at, fault_at, "

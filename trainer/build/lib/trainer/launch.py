@@ -1,0 +1,408 @@
+"""``python -m trainer.launch``: the one command the control plane starts per node.
+
+    python -m trainer.launch --nnodes N --node-rank R --nproc-per-node P --rdzv-endpoint HOST:PORT \\
+        --max-restarts K [--in-job|--no-in-job] --run-dir DIR --job-id ID --attempt A -- <trainer flags>
+
+    python -m trainer.launch ... --entrypoint train.py [--workdir DIR] -- <trainer flags> -- <script args>
+
+With ``--entrypoint`` the ranks run the user's own code (``trainer.shim``) instead of the built-in model;
+a script that cannot start (syntax error, missing import) ends the launch once with exit status 3 and
+its traceback as a fault, instead of a restart per round.
+
+What it does, in order:
+
+1. Validates the trainer flags (same parser as ``python -m trainer``) and the layer timeouts, and refuses
+   what the installed NVRx cannot run, before any process starts (exit 2).
+2. On node 0 it hosts the app store (rdzv port + 1) and the NVRx Wrapper store (rdzv port + 2), so no
+   rank is a single point of failure. Other nodes connect to HOST:PORT+1/+2. The rendezvous itself
+   stays on PORT (hosted by the node-0 agent). Ranks also use ephemeral gloo ports and MASTER_PORT.
+3. Runs NVRx ``ft_launcher`` in this process with hooks on its agent (--in-job: group restarts up to
+   K times, heartbeat or section timeouts derived from the trainer's), or ``torch.distributed.run``
+   with --max-restarts 0 (--no-in-job). Launcher facts (failed rank, exit code/signal, restart
+   count, restart duration) go to the control plane as events with source "launcher".
+4. SIGTERM/SIGINT stop the workers (torchelastic's handlers) and whatever is left of this process's
+   tree is terminated before exiting: no orphans. Exit 0 when training succeeded, nonzero otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import time
+import warnings
+from typing import Any
+
+import psutil
+
+from trainer import nvrx_compat
+from trainer.config import TrainConfig, parse_config
+from trainer.reporter import Reporter, make_reporter
+from trainer.runtime import (ENV_APP_STORE_PORT, ENV_IN_JOB, ENV_STORE_HOST, ENV_WRAPPER_STORE_PORT,
+                             host_store, take_fault)
+from trainer.wire import CycleMark, EventKind, FaultClass, Layer, cycle_key
+
+log = logging.getLogger("trainer.launch")
+
+APP_STORE_OFFSET = 1
+WRAPPER_STORE_OFFSET = 2
+MONITOR_INTERVAL_S = 0.5
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m trainer.launch",
+                                usage="%(prog)s [launch flags] -- <trainer flags>")
+    a = p.add_argument
+    a("--nnodes", type=int, default=1)
+    a("--node-rank", type=int, default=0)
+    a("--nproc-per-node", type=int, default=1)
+    a("--rdzv-endpoint", default="127.0.0.1:29400", help="HOST:PORT; PORT+1 and PORT+2 are also used")
+    a("--max-restarts", type=int, default=3, help="in-job group restarts (ft_launcher)")
+    a("--in-job", action=argparse.BooleanOptionalAction, default=True, help="NVRx ft_launcher in-job restarts")
+    a("--run-dir", default=None)
+    a("--job-id", default=None)
+    a("--attempt", type=int, default=None)
+    a("--entrypoint", default=None, help="the user's code: train.py | pkg.module | pkg.module:function")
+    a("--workdir", default=None, help="run the user's code in this directory")
+    return p
+
+
+# Exit status of a launch whose user code cannot start (retrying it cannot help); 2 = bad flags.
+EXIT_CANNOT_START = 3
+
+
+def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str], TrainConfig]:
+    if "--" in argv:
+        i = argv.index("--")
+        own, trainer_args = argv[:i], argv[i + 1:]
+    else:
+        own, trainer_args = argv, []
+    ns = build_parser().parse_args(own)
+    ns.user_args = []
+    if ns.entrypoint is not None and "--" in trainer_args:
+        i = trainer_args.index("--")
+        trainer_args, ns.user_args = trainer_args[:i], trainer_args[i + 1:]
+    for flag, v in (("--nnodes", ns.nnodes), ("--nproc-per-node", ns.nproc_per_node)):
+        if v < 1:
+            raise ValueError(f"{flag} must be >= 1")
+    if not 0 <= ns.node_rank < ns.nnodes:
+        raise ValueError("--node-rank must be in 0..nnodes-1")
+    if ns.max_restarts < 0:
+        raise ValueError("--max-restarts must be >= 0")
+    host, _, port_s = ns.rdzv_endpoint.rpartition(":")
+    if not host or not port_s.isdigit() or not 0 < int(port_s) < 65534:
+        raise ValueError(f"--rdzv-endpoint {ns.rdzv_endpoint!r}: expected HOST:PORT with PORT < 65534")
+    ns.rdzv_host, ns.rdzv_port = host, int(port_s)
+    # Our own flags win over the same ones after "--"; env fills what neither gives.
+    for flag, v in (("--run-dir", ns.run_dir), ("--job-id", ns.job_id), ("--attempt", ns.attempt)):
+        if v is not None:
+            trainer_args = [*trainer_args, flag, str(v)]
+    cfg = parse_config(trainer_args)
+    cfg.check_layers(in_job=ns.in_job, world_size=ns.nnodes * ns.nproc_per_node)
+    if ns.entrypoint is not None and cfg.in_process:
+        raise ValueError("--entrypoint: in-process restart needs the SDK's entrypoint function; pass --no-in-process")
+    if ns.workdir is not None and not os.path.isdir(ns.workdir):
+        raise ValueError(f"--workdir {ns.workdir}: no such directory")
+    nvrx_compat.check_supported(in_process=cfg.in_process, in_job=ns.in_job, ft_mode=cfg.ft_mode)
+    return ns, trainer_args, cfg
+
+
+def rank_program(ns: argparse.Namespace, trainer_args: list[str]) -> list[str]:
+    """What each rank runs: ``-m trainer <flags>``, or the user's code under ``trainer.shim``."""
+    if ns.entrypoint is None:
+        return ["-m", "trainer", *trainer_args]
+    return ["-m", "trainer.shim", *trainer_args, "--", ns.entrypoint, *ns.user_args]
+
+
+def check_entrypoint(entrypoint: str) -> str:
+    """Why the user's code cannot start (missing script, syntax error, unknown package), with the
+    traceback; "" when it may. Runs before any rank starts; nothing of the user's code executes."""
+    import importlib.util
+    import traceback
+
+    if entrypoint.endswith(".py"):
+        if not os.path.isfile(entrypoint):
+            return f"the script {entrypoint} does not exist in {os.getcwd()}"
+        try:
+            with open(entrypoint, "rb") as f:
+                compile(f.read(), entrypoint, "exec")
+        except SyntaxError as e:
+            return f"{entrypoint} does not compile: " + "".join(traceback.format_exception_only(e)).strip()
+        return ""
+    top = entrypoint.partition(":")[0].split(".")[0]
+    sys.path.insert(0, os.getcwd())
+    try:
+        if importlib.util.find_spec(top) is None:
+            return f"no module {top!r} in {os.getcwd()} or the installed packages"
+    finally:
+        sys.path.pop(0)
+    return ""
+
+
+def launcher_args(ns: argparse.Namespace, cfg: TrainConfig, trainer_args: list[str]) -> list[str]:
+    common = [f"--nnodes={ns.nnodes}", f"--node-rank={ns.node_rank}", f"--nproc-per-node={ns.nproc_per_node}",
+              "--rdzv-backend=c10d", f"--rdzv-endpoint={ns.rdzv_endpoint}",
+              f"--rdzv-id={cfg.job_id or 'unbroken'}-a{cfg.attempt}", f"--monitor-interval={MONITOR_INTERVAL_S}"]
+    if not ns.in_job:
+        return [*common, "--max-restarts=0", *rank_program(ns, trainer_args)]
+    ft: dict[str, str] = {
+        "workload_check_interval": str(MONITOR_INTERVAL_S),
+        "initial_rank_heartbeat_timeout": str(cfg.startup_timeout),
+        "rank_heartbeat_timeout": str(cfg.step_timeout),
+        "enable_nic_monitor": "false",  # needs NVML; logs tracebacks on CPU hosts
+        "restart_policy": "any-failed",
+    }
+    if cfg.ft_mode == "sections":
+        # Heartbeats still flow once per step; the sections carry the tight limits.
+        ft["rank_heartbeat_timeout"] = str(cfg.step_timeout + cfg.ckpt_timeout)
+        ft["rank_section_timeouts"] = f"step:{cfg.step_timeout},checkpoint:{cfg.ckpt_timeout}"
+        ft["rank_out_of_section_timeout"] = str(cfg.startup_timeout)
+    out = [*common, f"--max-restarts={ns.max_restarts}"]
+    for name, value in ft.items():
+        flag = nvrx_compat.launcher_flag(name)
+        if flag is not None:
+            out.append(f"{flag}={value}")
+    return [*out, *rank_program(ns, trainer_args)]
+
+
+class LauncherHooks:
+    """Structured launcher facts from the agent (NVRx 0.4.1 has no callback API, so we wrap two methods).
+
+    ``_monitor_workers`` returning FAILED/UNHEALTHY is detection; ``_restart_workers`` stops the group
+    (aborted) and starts a new round (restarted).
+    """
+
+    def __init__(self, *, reporter: Reporter, attempt: int, app_store: Any, in_job: bool):
+        self.reporter, self.attempt, self.app_store, self.in_job = reporter, attempt, app_store, in_job
+        self.restarting_cycle: str | None = None
+        self.cannot_start = False  # the user's code failed before training started: no more rounds
+        self._reported: set[tuple[int, str]] = set()
+
+    def install(self, agent_cls: Any) -> None:
+        hooks = self
+        orig_monitor, orig_restart, orig_stop = (agent_cls._monitor_workers, agent_cls._restart_workers,
+                                                 agent_cls._stop_workers)
+
+        def _monitor_workers(agent: Any, wg: Any) -> Any:
+            result = orig_monitor(agent, wg)
+            try:
+                if result.state.name in ("UNHEALTHY", "FAILED"):
+                    hooks.on_failure(agent, wg, result)
+            except Exception:
+                log.exception("launcher hook failed (ignored)")
+            return result
+
+        def _stop_workers(agent: Any, wg: Any, *a: Any, **kw: Any) -> Any:
+            out = orig_stop(agent, wg, *a, **kw)
+            if hooks.restarting_cycle:
+                hooks.mark(hooks.restarting_cycle, CycleMark.ABORTED)
+            return out
+
+        def _restart_workers(agent: Any, wg: Any) -> Any:
+            t0 = time.monotonic()
+            out = orig_restart(agent, wg)
+            cycle, hooks.restarting_cycle = hooks.restarting_cycle, None
+            duration = time.monotonic() - t0
+            round_ = agent._worker_group.spec.max_restarts - agent._remaining_restarts
+            hooks.mark(cycle, CycleMark.RESTARTED)
+            hooks.reporter.event(EventKind.LAUNCHER, {
+                "message": f"worker group restarted (round {round_}) in {duration:.2f} s",
+                "restart_count": round_, "restart_duration_s": round(duration, 3)}, rank=None)
+            return out
+
+        agent_cls._monitor_workers = _monitor_workers
+        agent_cls._stop_workers = _stop_workers
+        agent_cls._restart_workers = _restart_workers
+
+    def mark(self, cycle: str | None, mark: CycleMark, *, at: float | None = None) -> None:
+        if cycle:
+            self.reporter.event(EventKind.CYCLE, {"cycle": cycle, "layer": Layer.IN_JOB, "mark": mark},
+                                at=at, rank=None)
+
+    def on_failure(self, agent: Any, wg: Any, result: Any) -> None:
+        detected_at = time.time()
+        spec = wg.spec
+        remaining = agent._remaining_restarts
+        round_ = spec.max_restarts - remaining
+        if (round_, result.state.name) in self._reported:  # the agent may look twice before giving up
+            return
+        self._reported.add((round_, result.state.name))
+        facts = take_fault(self.app_store, round_) or {}
+        if facts.get("fatal"):
+            # The same code fails the same way in every round: end the launch now.
+            self.cannot_start = True
+            agent._remaining_restarts = remaining = 0
+        failures = {int(r): {"exitcode": f.exitcode, "signal": f.signal_name(), "pid": f.pid,
+                             "local_rank": f.local_rank} for r, f in result.failures.items()}
+        desc = ", ".join(f"rank {r}: exit {f['exitcode']}" + (f" ({f['signal']})" if f["signal"] else "")
+                         for r, f in sorted(failures.items())) or "no exit (rank monitor reported the group)"
+        will_restart = self.in_job and remaining > 0
+        self.reporter.event(EventKind.LAUNCHER, {
+            "message": f"worker group {result.state.name} in round {round_}: {desc}; "
+                       + (f"restarting ({remaining - 1} restarts left after this)" if will_restart
+                          else "no restarts left"),
+            "state": result.state.name, "failures": failures, "restart_count": round_,
+            "remaining_restarts": remaining}, rank=None)
+        if facts.get("kind") == "command" and will_restart:
+            self.restarting_cycle = cycle_key(attempt=self.attempt, restart_count=round_ + 1)
+            self.mark(self.restarting_cycle, CycleMark.DETECTED, at=detected_at)
+            return
+        first = min(failures) if failures else None
+        rank = facts.get("rank", first)
+        sig = failures.get(first, {}).get("signal") if first is not None else None
+        fault = facts.get("fault") or (FaultClass.PROCESS_KILLED if sig else FaultClass.EXCEPTION)
+        cycle = cycle_key(attempt=self.attempt, restart_count=round_ + 1) if will_restart else None
+        self.reporter.event(EventKind.FAULT, {
+            "fault": fault, "cycle": cycle, "detected_by": "launcher", "rank": rank,
+            "interruption": f"exit {failures[first]['exitcode']}" + (f" {sig}" if sig else "") if first is not None
+            else result.state.name,
+            "message": _with_traceback(facts.get("message") or desc, facts.get("traceback"))}, rank=rank)
+        if cycle:
+            self.restarting_cycle = cycle
+            if facts.get("at"):
+                self.mark(cycle, CycleMark.FAULT, at=float(facts["at"]))
+            self.mark(cycle, CycleMark.DETECTED, at=detected_at)
+
+
+def _with_traceback(message: str, tb: str | None) -> str:
+    return f"{message}\n\n{tb}"[:4000] if tb else message
+
+
+def _is_resource_tracker(p: psutil.Process) -> bool:
+    try:
+        return "multiprocessing.resource_tracker" in " ".join(p.cmdline())
+    except psutil.Error:
+        return False
+
+
+def sweep_children(timeout_s: float = 5.0) -> None:
+    """Terminate whatever is left of this process's tree (workers start their own sessions).
+
+    Spared: multiprocessing's resource tracker, which exits by itself once this process and the
+    fork server are gone (killing it first made this process's exit handlers relaunch it and print
+    a KeyError traceback per semaphore into the job log).
+    """
+    try:
+        children = [c for c in psutil.Process().children(recursive=True) if not _is_resource_tracker(c)]
+    except psutil.Error:
+        return
+    for c in children:
+        try:
+            c.terminate()
+        except psutil.Error:
+            pass
+    _, alive = psutil.wait_procs(children, timeout=timeout_s)
+    for c in alive:
+        try:
+            c.kill()
+        except psutil.Error:
+            pass
+
+
+def main(argv: list[str] | None = None) -> int:
+    warnings.filterwarnings("ignore", message=".*pynvml.*")
+    logging.basicConfig(level=logging.INFO, stream=sys.stdout,
+                        format="%(asctime)s launcher %(levelname)s %(name)s: %(message)s")
+    try:
+        ns, trainer_args, cfg = parse(list(sys.argv[1:] if argv is None else argv))
+    except ValueError as e:
+        print(f"trainer.launch: error: {e}", file=sys.stderr)
+        return 2
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+
+    cfg.run_dir = os.path.abspath(cfg.run_dir)
+    os.makedirs(cfg.run_dir, exist_ok=True)
+    if ns.workdir:
+        os.chdir(ns.workdir)  # the ranks (and the fork server) inherit it
+    app_port, wrapper_port = ns.rdzv_port + APP_STORE_OFFSET, ns.rdzv_port + WRAPPER_STORE_OFFSET
+    os.environ.update({
+        "UNBROKEN_RUN_DIR": cfg.run_dir, "UNBROKEN_JOB_ID": cfg.job_id, "UNBROKEN_ATTEMPT": str(cfg.attempt),
+        ENV_STORE_HOST: ns.rdzv_host, ENV_APP_STORE_PORT: str(app_port),
+        ENV_WRAPPER_STORE_PORT: str(wrapper_port), ENV_IN_JOB: "1" if ns.in_job else "0",
+    })
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+
+    from trainer.runtime import connect_store  # noqa: F401  (import torch only after validation)
+    import torch.distributed as dist
+
+    stores: list[Any] = []
+    if ns.node_rank == 0:
+        stores = [host_store(ns.rdzv_host, app_port), host_store(ns.rdzv_host, wrapper_port)]
+        app_store = stores[0]
+    else:
+        import datetime
+
+        app_store = dist.TCPStore(ns.rdzv_host, app_port, is_master=False, use_libuv=True,
+                                  timeout=datetime.timedelta(seconds=300))
+    reporter = make_reporter(url=cfg.report_url, job_id=cfg.job_id, token=cfg.token,
+                             source=f"launcher:{ns.node_rank}" if ns.nnodes > 1 else "launcher", rank=None,
+                             spool_dir=cfg.spool_dir, interval_s=cfg.report_interval)
+    hooks = LauncherHooks(reporter=reporter, attempt=cfg.attempt, app_store=app_store, in_job=ns.in_job)
+    problem = check_entrypoint(ns.entrypoint) if ns.entrypoint is not None and ns.node_rank == 0 else ""
+    if problem:
+        log.error("cannot start %s: %s", ns.entrypoint, problem)
+        reporter.event(EventKind.FAULT, {"fault": FaultClass.EXCEPTION, "detected_by": "launcher", "message": (
+            f"the code failed before training started ({problem}); fix it and start a new job")[:4000]}, rank=None)
+        reporter.close(timeout_s=10.0)
+        return EXIT_CANNOT_START
+    if ns.in_job:
+        hooks.install(nvrx_compat.launcher_agent_class())
+        run_launcher = None
+        if os.environ.get("UNBROKEN_FORK_RANKS", "1") != "0":
+            if ns.entrypoint is None:
+                from trainer.__main__ import entry
+            else:
+                from trainer.shim import entry
+            run_launcher = nvrx_compat.launcher_main_forked(entry, preload=[entry.__module__])
+        name = f"ft_launcher (nvidia-resiliency-ext {nvrx_compat.version_str()})"
+        if run_launcher is None:
+            run_launcher = nvrx_compat.launcher_main()
+        else:
+            name += ", ranks forked from a warm fork server"
+    else:
+        from torch.distributed import run as torchrun
+        from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+        hooks.install(LocalElasticAgent)
+        run_launcher = torchrun.main
+        name = "torch.distributed.run"
+    args = launcher_args(ns, cfg, trainer_args)
+    reporter.event(EventKind.LAUNCHER, {
+        "message": f"starting {name} on node {ns.node_rank}/{ns.nnodes}, {ns.nproc_per_node} ranks per node, "
+                   f"max restarts {ns.max_restarts if ns.in_job else 0}, attempt {cfg.attempt}",
+        "node_rank": ns.node_rank, "nnodes": ns.nnodes, "nproc_per_node": ns.nproc_per_node,
+        "in_job": ns.in_job, "in_process": cfg.in_process, "max_restarts": ns.max_restarts if ns.in_job else 0},
+        rank=None)
+    rc = 1
+    t0 = time.monotonic()
+    try:
+        run_launcher(args)
+        rc = 0
+    except SystemExit as e:
+        rc = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except BaseException:
+        log.exception("launcher failed")
+        rc = 1
+    finally:
+        if hooks.cannot_start:
+            rc = EXIT_CANNOT_START
+        sweep_children()
+        reporter.event(EventKind.LAUNCHER, {
+            "message": f"launcher exiting with status {rc} after {time.monotonic() - t0:.1f} s",
+            "exit_code": rc}, rank=None)
+        reporter.close(timeout_s=10.0)
+        del stores
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,239 @@
+"""Reporting to the control plane: heartbeats and events (trainer/wire.py), commands back.
+
+``Reporter`` is a protocol (heartbeat / event / close). ``HttpReporter`` only appends to a deque on the
+caller's thread; a background thread batches, POSTs, and on an unreachable control plane (connection
+error, timeout, 5xx, 429) spools batches to disk and replays them in order once it is back. A 4xx other
+than 429 means the batch will never be accepted: the server's JSON error is logged and the batch
+dropped. Event ids are unique per process, so a replay after an unseen success is harmless.
+``NullReporter`` is used when no URL is set.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import math
+import os
+import socket
+import threading
+import time
+import urllib.error
+import urllib.request
+import uuid
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from trainer.wire import MAX_EVENTS, MAX_HEARTBEATS, WIRE_VERSION, EventKind
+
+log = logging.getLogger(__name__)
+
+_UNSET: Any = object()
+
+
+class Reporter(Protocol):
+    def heartbeat(self, *, step: int, phase: str, loss: float | None = None, step_time_s: float | None = None,
+                  tokens_per_s: float | None = None) -> None: ...
+
+    def event(self, kind: EventKind | str, data: dict[str, Any] | None = None, *, rank: int | None = _UNSET,
+              at: float | None = None) -> None: ...
+
+    def close(self, timeout_s: float = 5.0) -> None: ...
+
+
+class NullReporter:
+    def heartbeat(self, **_: Any) -> None:
+        pass
+
+    def event(self, *_: Any, **__: Any) -> None:
+        pass
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        pass
+
+
+def _finite(v: float | None) -> float | None:
+    return v if v is None or math.isfinite(v) else None
+
+
+class Spool:
+    """Batches waiting for the control plane, one JSON file each, replayed oldest first.
+
+    One directory per source (``rank0``, ``launcher``): a restarted process of the same rank picks up
+    what its predecessor could not send, in order.
+    """
+
+    def __init__(self, path: str):
+        self.path = path
+        self._seq = 0
+        os.makedirs(path, exist_ok=True)
+
+    def append(self, batch: dict[str, Any]) -> None:
+        self._seq += 1
+        name = f"{time.time_ns():020d}-{os.getpid()}-{self._seq:08d}.json"
+        tmp = os.path.join(self.path, f".{name}.tmp")
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(batch, f, separators=(",", ":"))
+        os.replace(tmp, os.path.join(self.path, name))
+
+    def pending(self) -> list[str]:
+        try:
+            return sorted(n for n in os.listdir(self.path) if n.endswith(".json") and not n.startswith("."))
+        except FileNotFoundError:
+            return []
+
+    def load(self, name: str) -> dict[str, Any] | None:
+        try:
+            with open(os.path.join(self.path, name), encoding="utf-8") as f:
+                return json.load(f)
+        except (OSError, ValueError):
+            return None
+
+    def remove(self, name: str) -> None:
+        try:
+            os.unlink(os.path.join(self.path, name))
+        except FileNotFoundError:
+            pass
+
+
+OK, RETRY, DROP = "ok", "retry", "drop"
+
+
+class HttpReporter:
+    """Background-thread HTTP reporter. Public methods never block on I/O and never raise."""
+
+    def __init__(self, *, url: str, job_id: str, token: str, source: str, rank: int | None, spool_dir: str,
+                 interval_s: float = 1.0, timeout_s: float = 5.0,
+                 on_commands: Callable[[list[dict[str, Any]]], None] | None = None):
+        self.endpoint = f"{url.rstrip('/')}/api/v1/jobs/{job_id}/ingest"
+        self._token = token
+        self.source, self.rank = source, rank
+        self.interval_s, self.timeout_s = interval_s, timeout_s
+        self._on_commands = on_commands
+        self._node, self._pid = socket.gethostname(), os.getpid()
+        self._id_prefix = f"{source.replace(':', '')}-{self._pid}-{uuid.uuid4().hex[:6]}"
+        self._seq = 0
+        self._seq_lock = threading.Lock()
+        self._q: collections.deque[tuple[str, dict[str, Any]]] = collections.deque()
+        self._spool = Spool(os.path.join(spool_dir, source.replace(":", "")))
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self.sent_batches = 0
+        self._thread = threading.Thread(target=self._run, name=f"reporter-{source}", daemon=True)
+        self._thread.start()
+
+    # -- caller side: O(1), no I/O -------------------------------------------------------------------
+
+    def heartbeat(self, *, step: int, phase: str, loss: float | None = None, step_time_s: float | None = None,
+                  tokens_per_s: float | None = None) -> None:
+        self._q.append(("hb", {"rank": self.rank, "step": step, "phase": str(phase), "at": time.time(),
+                               "loss": _finite(loss), "step_time_s": _finite(step_time_s),
+                               "tokens_per_s": _finite(tokens_per_s), "node": self._node, "pid": self._pid}))
+
+    def event(self, kind: EventKind | str, data: dict[str, Any] | None = None, *, rank: int | None = _UNSET,
+              at: float | None = None) -> None:
+        with self._seq_lock:
+            self._seq += 1
+            seq = self._seq
+        self._q.append(("ev", {"id": f"{self._id_prefix}-{seq}", "kind": str(kind),
+                               "at": time.time() if at is None else at,
+                               "rank": self.rank if rank is _UNSET else rank, "data": _jsonable(data or {})}))
+
+    def flush(self) -> None:
+        self._wake.set()
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Send what is queued (spooling what cannot be sent) and stop the thread, within ``timeout_s``."""
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():  # stuck in a request: keep the rest on disk for the next process
+            batch = self._drain()
+            if batch is not None:
+                self._spool.append(batch)
+
+    # -- sender thread ------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            self._wake.wait(self.interval_s)
+            self._wake.clear()
+            stopping = self._stop.is_set()
+            try:
+                self._replay()
+                while (batch := self._drain()) is not None:
+                    self._deliver(batch)
+            except Exception:  # the reporter must never take the trainer down
+                log.exception("reporter: unexpected error (continuing)")
+            if stopping:
+                return
+
+    def _drain(self) -> dict[str, Any] | None:
+        hbs: list[dict[str, Any]] = []
+        evs: list[dict[str, Any]] = []
+        while self._q and len(hbs) < MAX_HEARTBEATS and len(evs) < MAX_EVENTS:
+            kind, item = self._q.popleft()
+            (hbs if kind == "hb" else evs).append(item)
+        if not hbs and not evs:
+            return None
+        return {"v": WIRE_VERSION, "source": self.source, "heartbeats": hbs, "events": evs}
+
+    def _deliver(self, batch: dict[str, Any]) -> None:
+        if self._spool.pending():  # keep order: nothing overtakes a spooled batch
+            self._spool.append(batch)
+            return
+        if self._send(batch) == RETRY:
+            self._spool.append(batch)
+
+    def _replay(self) -> None:
+        for name in self._spool.pending():
+            batch = self._spool.load(name)
+            if batch is not None and self._send(batch) == RETRY:
+                return
+            self._spool.remove(name)
+
+    def _send(self, batch: dict[str, Any]) -> str:
+        body = json.dumps({**batch, "sent_at": time.time()}, separators=(",", ":")).encode()
+        req = urllib.request.Request(self.endpoint, data=body, method="POST", headers={
+            "Content-Type": "application/json", "Authorization": f"Bearer {self._token}"})
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
+                payload = resp.read()
+        except urllib.error.HTTPError as e:
+            if e.code == 429 or e.code >= 500:
+                return RETRY
+            detail = e.read()[:2000].decode("utf-8", "replace")
+            log.error("reporter: control plane refused a batch (HTTP %s), dropping it: %s", e.code, detail)
+            return DROP
+        except (OSError, urllib.error.URLError, TimeoutError):
+            return RETRY
+        self.sent_batches += 1
+        if self._on_commands is not None:
+            try:
+                commands = json.loads(payload or b"{}").get("commands") or []
+            except (ValueError, AttributeError):
+                commands = []
+            if commands:
+                self._on_commands(commands)
+        return OK
+
+
+def _jsonable(v: Any) -> Any:
+    if isinstance(v, dict):
+        return {str(k): _jsonable(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_jsonable(x) for x in v]
+    if isinstance(v, float):
+        return _finite(v)
+    if v is None or isinstance(v, (bool, int, str)):
+        return str(v) if isinstance(v, str) and type(v) is not str else v  # StrEnum -> plain str
+    return str(v)
+
+
+def make_reporter(*, url: str, job_id: str, token: str, source: str, rank: int | None, spool_dir: str,
+                  interval_s: float, on_commands: Callable[[list[dict[str, Any]]], None] | None = None
+                  ) -> Reporter:
+    if not url:
+        return NullReporter()
+    return HttpReporter(url=url, job_id=job_id, token=token, source=source, rank=rank, spool_dir=spool_dir,
+                        interval_s=interval_s, on_commands=on_commands)

@@ -1,0 +1,310 @@
+"""The resilience layers that wrap the training loop; each does nothing when it is off.
+
+- In-process (NVRx ``inprocess.Wrapper``): a fault restarts the loop function inside the same processes.
+  On CPU three things make it work (see the research memo): (1) abort shuts down this process's gloo
+  TCP sockets before destroying the process groups - ``ProcessGroupGloo.abort()`` does not unblock a
+  rank waiting in a collective; (2) ``progress_watchdog_interval`` > ``monitor_process_interval``, or
+  the monitor process never evaluates the soft/hard timeouts; (3) the Wrapper store lives outside the
+  ranks (``trainer.launch``), so losing rank 0 does not take it down. No CUDA health checks on CPU.
+- In-job (NVRx ``ft_launcher``): ranks send heartbeats or open/close sections ("step", "checkpoint");
+  the launcher's rank monitors kill a silent group and restart it.
+
+NB: no ``from __future__ import annotations`` here: NVRx finds the CallWrapper parameter by its
+annotation object.
+"""
+
+import contextlib
+import datetime
+import logging
+import os
+import socket
+import threading
+from typing import Any, Callable, Iterator, Optional
+
+import psutil
+import torch
+import torch.distributed as dist
+
+from trainer import nvrx_compat
+from trainer.runtime import RankEnv, Session, take_fault
+from trainer.wire import CycleMark, EventKind, FaultClass, Layer
+
+log = logging.getLogger(__name__)
+
+
+def td(seconds: float) -> datetime.timedelta:
+    return datetime.timedelta(seconds=seconds)
+
+
+class NoRestart:
+    """The restart scope when in-process restart is off: iteration 0, no watchdog, no atomic lock."""
+
+    iteration = 0
+
+    def ping(self) -> None:
+        pass
+
+    def atomic(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+
+# -- in-job: ft_launcher rank monitor client -----------------------------------------------------------
+
+
+class NullFt:
+    def start(self) -> None:
+        pass
+
+    def heartbeat(self) -> None:
+        pass
+
+    def section(self, name: str) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def stop(self) -> None:
+        pass
+
+
+class FtClient:
+    """Liveness for ft_launcher: a heartbeat per step, or "step"/"checkpoint" sections with their own timeouts."""
+
+    def __init__(self, mode: str):
+        from nvidia_resiliency_ext.fault_tolerance import RankMonitorClient
+
+        self.sections = mode == "sections"
+        self._client = RankMonitorClient()
+
+    def start(self) -> None:
+        # Reconnect on every in-process iteration: the rank may have been reassigned.
+        self.stop()
+        self._client.init_workload_monitoring()
+
+    def heartbeat(self) -> None:
+        if not self.sections:
+            self._client.send_heartbeat()
+
+    @contextlib.contextmanager
+    def section(self, name: str) -> Iterator[None]:
+        if not self.sections:
+            yield
+            return
+        self._client.start_section(name)
+        yield
+        self._client.end_section(name)
+
+    def stop(self) -> None:
+        if self._client.is_initialized:
+            with contextlib.suppress(Exception):
+                self._client.shutdown_workload_monitoring()
+
+
+def make_ft(env: RankEnv, mode: str) -> Any:
+    return FtClient(mode) if env.in_job else NullFt()
+
+
+# -- in-process: NVRx Wrapper and its hooks -------------------------------------------------------------
+
+
+def settle_checkpoint(checkpointer: Any, *, budget_s: float) -> None:
+    """Let an in-flight async save end (commit it if it completed, else report it abandoned) and
+    close the stager, waiting at most ``budget_s`` + 1 s: the Wrapper's finalize must end well inside
+    its hard timeout, or the restart escalates to ft_launcher. A save still stuck after that keeps
+    settling in the background; its checkpoint stays uncommitted unless every shard was written."""
+
+    def settle() -> None:
+        checkpointer.abandon(timeout_s=budget_s)
+        checkpointer.close()
+
+    t = threading.Thread(target=settle, name="checkpoint-settle", daemon=True)
+    t.start()
+    t.join(budget_s + 1.0)
+    if t.is_alive():
+        log.warning("the in-flight checkpoint is still settling after %.1f s; restarting without it", budget_s + 1.0)
+
+
+def shutdown_gloo_sockets(keep_ports: tuple[int, ...]) -> int:
+    """shutdown(SHUT_RDWR) every established TCP socket of this process except the stores' ones.
+
+    A thread blocked in a gloo collective then fails at once with "Connection closed by peer"; the
+    store connections (and with them the Wrapper's own coordination) stay up.
+    """
+    keep = set(keep_ports)
+    n = 0
+    for c in psutil.Process().net_connections(kind="tcp"):
+        if c.status != psutil.CONN_ESTABLISHED or not c.raddr or c.fd < 0:
+            continue
+        if c.laddr.port in keep or c.raddr.port in keep:
+            continue
+        try:
+            s = socket.socket(fileno=os.dup(c.fd))
+            s.shutdown(socket.SHUT_RDWR)
+            s.close()
+            n += 1
+        except OSError:
+            pass
+    return n
+
+
+def _interruption_to_fault(names: list[str]) -> FaultClass:
+    if any(n in ("SOFT_TIMEOUT", "HARD_TIMEOUT") for n in names):
+        return FaultClass.HANG
+    if any(n in ("TERMINATED", "UNRESPONSIVE") for n in names):
+        return FaultClass.PROCESS_KILLED
+    return FaultClass.EXCEPTION
+
+
+def _is_peer_error(exc: BaseException) -> bool:
+    """A rank failing because a peer or the abort closed its connections is not where the fault is."""
+    text = repr(exc)
+    return isinstance(exc, getattr(dist, "DistError", ())) or any(
+        s in text for s in ("Connection closed", "Connection reset", "Broken pipe", "Socket", "gloo"))
+
+
+def build_in_process_wrapper(session: Session) -> Any:
+    from nvidia_resiliency_ext import inprocess
+
+    cfg, env = session.cfg, session.env
+    keep_ports = (env.app_store_port, env.wrapper_store_port, int(os.environ.get("MASTER_PORT", "0")))
+    gloo = session.device.type == "cpu"
+
+    round_prefix = f"a{cfg.attempt}/ij{env.restart_count}/"
+
+    class RoundStore(torch.distributed.PrefixStore, inprocess.store.StoreMixin):
+        """The Wrapper store of this in-job round. trainer.launch hosts one store for all rounds; the
+        Wrapper's barriers count arrivals, so every round needs its own key space."""
+
+        def __init__(self, host_name: str, port: int, timeout: datetime.timedelta):
+            base = torch.distributed.TCPStore(host_name, port, is_master=False, use_libuv=True, timeout=timeout)
+            super().__init__(round_prefix, base)
+
+    store_factory = RoundStore if env.stores_external else inprocess.store.TCPStore
+
+    def records_of(iteration: int) -> list[dict[str, Any]]:
+        try:
+            store = dist.TCPStore(env.store_host, env.wrapper_store_port, is_master=False, use_libuv=True,
+                                  timeout=td(5))
+            if env.stores_external:
+                store = torch.distributed.PrefixStore(round_prefix, store)
+            ps = inprocess.store.PrefixStore(iteration, store)
+            return [{"rank": r.rank, "interruption": r.interruption.name} for r in ps.get_interruption_records()]
+        except Exception as e:
+            log.warning("interruption records of iteration %s unavailable: %r", iteration, e)
+            return []
+
+    class Abort(inprocess.abort.Abort):
+        """MonitorThread, every rank: mark detection, unblock gloo, destroy the process groups."""
+
+        def __call__(self, state: Any) -> Any:
+            cycle = session.cycle(state.iteration + 1)
+            session.mark(cycle, CycleMark.DETECTED)
+            try:
+                if gloo:
+                    if dist.is_available() and dist.is_initialized():
+                        n = shutdown_gloo_sockets(keep_ports)
+                        log.info("abort: shut down %d gloo sockets", n)
+                        dist.destroy_process_group()
+                else:
+                    inprocess.abort.AbortTorchDistributed()(state)
+            except Exception:
+                log.exception("abort failed")
+            session.mark(cycle, CycleMark.ABORTED)
+            return state
+
+    class Finalize(inprocess.finalize.Finalize):
+        """Main thread, after abort: settle the in-flight checkpoint, keep the local fault's facts."""
+
+        def __call__(self, state: Any) -> Any:
+            exc = state.fn_exception
+            if exc is not None and not _is_peer_error(exc):
+                session.record_fault(FaultClass.EXCEPTION, repr(exc))
+            if session.checkpointer is not None:
+                settle_checkpoint(session.checkpointer, budget_s=min(5.0, cfg.hard_timeout / 4))
+                session.checkpointer = None
+            session.ft.stop()
+            return state
+
+    class Initialize(inprocess.initialize.Initialize):
+        """Main thread, every iteration: the restart is done; rank 0 reports the fault it recovers from."""
+
+        def __call__(self, state: Any) -> Any:
+            session.iteration = state.iteration
+            if state.iteration == 0:
+                return state
+            cycle = session.cycle(state.iteration)
+            session.mark(cycle, CycleMark.RESTARTED)
+            if state.rank != 0:
+                return state
+            recs = records_of(state.iteration - 1)
+            facts = take_fault(session.app_store, env.restart_count) or {}
+            if facts.get("kind") == "command":
+                return state  # an operator asked for this restart; it is not a fault
+            names = [r["interruption"] for r in recs]
+            fault = facts.get("fault") or _interruption_to_fault(names)
+            ranks = sorted({r["rank"] for r in recs})
+            session.reporter.event(EventKind.FAULT, {
+                "fault": fault, "cycle": cycle.key if cycle else None, "detected_by": Layer.IN_PROCESS,
+                "message": facts.get("message") or ", ".join(f"rank {r['rank']}: {r['interruption']}" for r in recs),
+                "rank": facts.get("rank", ranks[0] if ranks else None),
+                "interruption": ",".join(sorted(set(names))) or None, "interruptions": recs,
+            }, rank=facts.get("rank", ranks[0] if ranks else None))
+            if facts.get("at"):
+                session.mark(cycle, CycleMark.FAULT, at=float(facts["at"]))
+            return state
+
+    class Terminate(inprocess.terminate.Terminate):
+        def __call__(self, state: Any) -> Any:
+            log.error("in-process restart gave up on rank %s (iteration %s): %r", state.rank, state.iteration,
+                      state.fn_exception)
+            return state
+
+    log_dir = os.path.join(cfg.run_dir, "logs")
+    os.makedirs(log_dir, exist_ok=True)
+    hb_timeout = cfg.hard_timeout + 5.0
+    barrier = max(120.0, hb_timeout + 30.0, cfg.ckpt_timeout)
+    kwargs = nvrx_compat.wrapper_kwargs(
+        store_factory=store_factory,
+        store_kwargs={"host_name": env.store_host, "port": env.wrapper_store_port, "timeout": td(barrier)},
+        # Compose runs right to left: the retry limits first, then our reporting.
+        initialize=inprocess.Compose(
+            Initialize(),
+            # The full world or nothing: a lost rank is the in-job layer's (or the job's) to restart,
+            # and a fixed world keeps the data, and so the loss curve, identical to an uninterrupted run.
+            inprocess.initialize.RetryController(max_iterations=cfg.max_in_process_restarts + 1,
+                                                 min_world_size=env.world_size),
+        ),
+        abort=Abort(),
+        finalize=Finalize(),
+        health_check=None,  # CudaHealthCheck is a no-op on CPU; a rank is healthy if it got here
+        terminate=Terminate(),
+        monitor_thread_interval=td(0.2),
+        # The monitor process skips its timeout check on every progress-watchdog message: the watchdog
+        # interval must be longer than the monitor interval or hangs are never detected.
+        monitor_process_interval=td(0.5),
+        progress_watchdog_interval=td(1.0),
+        heartbeat_interval=td(1.0),
+        heartbeat_timeout=td(hb_timeout),
+        soft_timeout=td(cfg.soft_timeout),
+        hard_timeout=td(cfg.hard_timeout),
+        barrier_timeout=td(barrier),
+        completion_timeout=td(barrier),
+        last_call_wait=td(0.2),
+        termination_grace_time=td(2.0),
+        monitor_process_logfile=os.path.join(log_dir, "inprocess_monitor_{rank}.log"),
+    )
+    return inprocess.Wrapper(**kwargs)
+
+
+def wrap_loop(session: Session, loop: Callable[[Any], Any]) -> Callable[[], Any]:
+    """The loop as the configured layers run it: ``loop(scope)`` with scope.iteration/ping()/atomic()."""
+    if not session.cfg.in_process:
+        return lambda: loop(NoRestart())
+
+    from nvidia_resiliency_ext import inprocess
+
+    wrapper = build_in_process_wrapper(session)
+
+    def iteration(call_wrapper: Optional[inprocess.CallWrapper] = None) -> Any:
+        return loop(call_wrapper)
+
+    return wrapper(iteration)
+

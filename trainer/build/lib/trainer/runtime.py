@@ -1,0 +1,160 @@
+"""Who this rank is, where the stores are, and the per-process session shared by restart iterations.
+
+Ports (``trainer.launch`` hosts both stores on node 0, outside the ranks, so losing any rank - rank 0
+included - never takes them down):
+
+- rdzv port P: the launcher's c10d rendezvous (torchelastic / ft_launcher)
+- P+1: the app store (process-group rendezvous per iteration, fault facts, anything the ranks share)
+- P+2: the NVRx in-process Wrapper store
+
+Without ``trainer.launch`` (``python -m trainer`` alone) rank 0 hosts both at MASTER_PORT+1/+2.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from trainer.config import TrainConfig
+from trainer.ports import free_port_block
+from trainer.reporter import Reporter
+from trainer.wire import CycleMark, EventKind, FaultClass, Layer, cycle_key
+
+log = logging.getLogger(__name__)
+
+ENV_STORE_HOST = "UNBROKEN_STORE_HOST"
+ENV_APP_STORE_PORT = "UNBROKEN_APP_STORE_PORT"
+ENV_WRAPPER_STORE_PORT = "UNBROKEN_WRAPPER_STORE_PORT"
+ENV_IN_JOB = "UNBROKEN_IN_JOB"
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class RankEnv:
+    initial_rank: int
+    world_size: int
+    local_rank: int
+    restart_count: int  # ft_launcher / torchrun round (TORCHELASTIC_RESTART_COUNT)
+    store_host: str
+    app_store_port: int
+    wrapper_store_port: int
+    stores_external: bool
+    in_job: bool  # running under ft_launcher with in-job restarts
+
+    @classmethod
+    def from_env(cls) -> RankEnv:
+        """Read the launcher's env; fill in a 1-rank world when started alone."""
+        env = os.environ
+        env.setdefault("RANK", "0")
+        env.setdefault("WORLD_SIZE", "1")
+        env.setdefault("LOCAL_RANK", "0")
+        env.setdefault("MASTER_ADDR", "127.0.0.1")
+        if "MASTER_PORT" not in env:
+            env["MASTER_PORT"] = str(free_port_block())
+        external = ENV_APP_STORE_PORT in env
+        mport = int(env["MASTER_PORT"])
+        return cls(
+            initial_rank=int(env["RANK"]),
+            world_size=int(env["WORLD_SIZE"]),
+            local_rank=int(env["LOCAL_RANK"]),
+            restart_count=int(env.get("TORCHELASTIC_RESTART_COUNT", "0")),
+            store_host=env.get(ENV_STORE_HOST, env["MASTER_ADDR"]),
+            app_store_port=int(env.get(ENV_APP_STORE_PORT, mport + 1)),
+            wrapper_store_port=int(env.get(ENV_WRAPPER_STORE_PORT, mport + 2)),
+            stores_external=external,
+            in_job=env.get(ENV_IN_JOB, "0") == "1" and "FT_RANK_MONITOR_IPC_SOCKET" in env,
+        )
+
+    @staticmethod
+    def rank() -> int:
+        """The current rank (the in-process Wrapper may reassign it between iterations)."""
+        return int(os.environ["RANK"])
+
+
+def host_store(host: str, port: int) -> dist.TCPStore:
+    return dist.TCPStore(host, port, is_master=True, wait_for_workers=False, multi_tenant=True,
+                         use_libuv=True, timeout=datetime.timedelta(seconds=300))
+
+
+def connect_store(env: RankEnv, port: int, timeout_s: float = 300.0) -> dist.TCPStore:
+    if not env.stores_external and env.initial_rank == 0 and port == env.app_store_port:
+        return host_store("0.0.0.0", port)  # noqa: S104 - plain `python -m trainer`: rank 0 hosts
+    return dist.TCPStore(env.store_host, port, is_master=False, use_libuv=True,
+                         timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def fault_key(restart_count: int) -> str:
+    return f"unbroken/fault/ij{restart_count}"
+
+
+def record_fault_facts(store: Any, restart_count: int, rec: dict[str, Any]) -> None:
+    """Leave a fault's facts for whoever reports the cycle (the launcher, or rank 0 in process); the
+    first record of a round wins."""
+    try:
+        store.compare_set(fault_key(restart_count), "", json.dumps(rec))
+    except Exception:
+        log.warning("could not record fault facts in the app store", exc_info=True)
+
+
+def take_fault(store: Any, restart_count: int) -> dict[str, Any] | None:
+    """Consume the fault facts recorded by the faulty rank in round ``restart_count`` (first wins)."""
+    key = fault_key(restart_count)
+    try:
+        if not store.check([key]):
+            return None
+        raw = store.get(key)
+        store.delete_key(key)
+        return json.loads(raw) if raw else None
+    except Exception:  # facts are best effort; never block a restart on them
+        return None
+
+
+@dataclass(kw_only=True, slots=True)
+class Cycle:
+    key: str
+    layer: Layer
+
+
+class Session:
+    """Per-process state shared by every in-process restart iteration."""
+
+    def __init__(self, *, cfg: TrainConfig, env: RankEnv, reporter: Reporter, app_store: Any, ft: Any,
+                 inbox: Any, device: torch.device):
+        self.cfg, self.env, self.reporter, self.app_store = cfg, env, reporter, app_store
+        self.ft, self.inbox, self.device = ft, inbox, device
+        self.checkpointer: Any = None  # the current iteration's, for the finalize hook
+        self.iteration = 0
+        self.last_loss: float | None = None
+
+    def cycle(self, iteration: int) -> Cycle | None:
+        """The restart cycle this iteration/process start closes, if any."""
+        a, rc = self.cfg.attempt, self.env.restart_count
+        if iteration > 0:
+            return Cycle(key=cycle_key(attempt=a, restart_count=rc, iteration=iteration), layer=Layer.IN_PROCESS)
+        if rc > 0:
+            return Cycle(key=cycle_key(attempt=a, restart_count=rc), layer=Layer.IN_JOB)
+        if a > 0:
+            return Cycle(key=cycle_key(attempt=a), layer=Layer.JOB)
+        return None
+
+    def mark(self, cycle: Cycle | None, mark: CycleMark, *, step: int | None = None, at: float | None = None,
+             rank: int | None = None) -> None:
+        if cycle is None:
+            return
+        data: dict[str, Any] = {"cycle": cycle.key, "layer": cycle.layer, "mark": mark}
+        if step is not None:
+            data["step"] = step
+        self.reporter.event(EventKind.CYCLE, data, at=at, **({} if rank is None else {"rank": rank}))
+
+    def record_fault(self, fault: FaultClass | str, message: str, *, kind: str = "fault") -> None:
+        """Leave the facts only the faulty rank knows (class, time) for whoever reports the cycle."""
+        rec = {"fault": str(fault), "rank": RankEnv.rank(), "at": time.time(), "iteration": self.iteration,
+               "message": message[:500], "kind": kind}
+        record_fault_facts(self.app_store, self.env.restart_count, rec)

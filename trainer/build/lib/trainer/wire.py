@@ -1,0 +1,474 @@
+"""The wire format between trainer and control plane, and the one shared vocabulary.
+
+Both sides import this module; it depends on the standard library only (no torch, no Django),
+so the control plane can import it without pulling in the trainer.
+
+A batch is one JSON object POSTed to ``/api/v1/jobs/<job_id>/ingest`` with
+``Authorization: Bearer <job token>``::
+
+    {"v": 1, "sent_at": 1764672000.0, "source": "rank:0",
+     "heartbeats": [{"rank": 0, "step": 12, "phase": "train", "at": 1764671999.9,
+                     "loss": 6.9, "step_time_s": 0.08, "tokens_per_s": 12000.0,
+                     "node": "host-a", "pid": 4242}],
+     "events": [{"id": "r0-p4242-17", "kind": "checkpoint", "at": 1764671999.5, "rank": 0,
+                 "data": {"step": 10, "mode": "async", "state": "durable", ...}}]}
+
+The response carries the job's pending commands::
+
+    {"accepted": {"heartbeats": 1, "events": 1, "duplicates": 0},
+     "commands": [{"id": 7, "kind": "restart", "level": "in_process", "rank": null,
+                   "fault": null, "issued_at": 1764671999.0}],
+     "server_time": 1764672000.1, "job_status": "running"}
+
+Commands are re-sent until acknowledged (a ``command_ack`` event); the trainer dedupes by id.
+Event ids make retries harmless: the control plane stores each (job, id) once.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+WIRE_VERSION = 1
+MAX_BODY_BYTES = 4 * 1024 * 1024
+MAX_HEARTBEATS = 8192
+MAX_EVENTS = 2048
+MAX_EVENT_ID_LEN = 64
+MAX_DATA_KEYS = 64
+MAX_STRING_LEN = 4096
+MAX_NODE_LEN = 253
+MAX_SOURCE_LEN = 128
+# A batch whose sent_at differs from the server clock by more than this is refused (clock skew).
+MAX_CLOCK_SKEW_S = 300.0
+# Event and heartbeat timestamps may not run ahead of sent_at by more than this.
+MAX_FUTURE_S = 5.0
+# ... nor lie further back than this before the server's clock (the control plane's setting
+# UNBROKEN_INGEST_MAX_AGE_S; this is its default). Long enough for a reporter to replay its disk spool
+# after a week-long outage: a refused batch (422) is dropped by the reporter, so a tight window loses data.
+DEFAULT_MAX_AGE_S = 7 * 24 * 3600.0
+
+# Every value that reaches storage is bounded here, once; the ingest fast path
+# (controlplane/jobs/ingestion.py) and the OpenAPI schema (controlplane/ingest/openapi.py) use these.
+MAX_INT32 = 2**31 - 1  # a Postgres integer column
+MAX_INT64 = 2**63 - 1  # a Postgres bigint column
+MAX_STEP = MAX_INT32  # steps land in integer columns (Rank.last_step, Job.max_step, Checkpoint.step, ...)
+MAX_RANK = MAX_INT32  # and below the job's world size
+MAX_PID = MAX_INT32
+MAX_BYTES = MAX_INT64
+MAX_COMMAND_ID = MAX_INT64
+MAX_DURATION_S = 1e7  # step_time_s, blocking_s, write_s (~116 days)
+MAX_TOKENS_PER_S = 1e15
+# An event's ``data``: nesting depth (the top-level object is depth 1) and encoded size.
+MAX_DATA_DEPTH = 4
+MAX_DATA_BYTES = 16 * 1024
+
+
+class Phase(StrEnum):
+    INIT = "init"
+    TRAIN = "train"
+    CHECKPOINT_SAVE = "checkpoint_save"
+    CHECKPOINT_LOAD = "checkpoint_load"
+    EVAL = "eval"  # a slow phase: the checkpoint timeout applies
+    DATA = "data"
+    RESTARTING = "restarting"
+    STOPPED = "stopped"
+
+
+class FaultClass(StrEnum):
+    EXCEPTION = "exception"
+    HANG = "hang"
+    PROCESS_KILLED = "process_killed"
+    NAN_LOSS = "nan_loss"
+    HEARTBEAT_LOST = "heartbeat_lost"
+    STALLED = "stalled"
+    NODE_LOST = "node_lost"
+    OOM_KILLED = "oom_killed"
+    EVICTED = "evicted"
+    UNSCHEDULABLE = "unschedulable"
+    IMAGE_PULL = "image_pull"
+
+
+class DrillFault(StrEnum):
+    """Faults the trainer can inject (fault drills)."""
+
+    EXCEPTION = "exception"
+    HANG = "hang"  # Python-level hang: the loop spins without progress
+    HANG_COLLECTIVE = "hang_collective"  # hang in a C call / collective (GIL released)
+    SIGKILL = "sigkill"
+    NAN_LOSS = "nan_loss"
+
+
+class Layer(StrEnum):
+    IN_PROCESS = "in_process"
+    IN_JOB = "in_job"
+    JOB = "job"
+    NONE = "none"
+
+
+class CycleMark(StrEnum):
+    """Timestamps of one restart cycle, in order."""
+
+    FAULT = "fault_at"
+    DETECTED = "detected_at"
+    ABORTED = "aborted_at"
+    RESTARTED = "restarted_at"
+    CHECKPOINT_LOADED = "checkpoint_loaded_at"
+    FIRST_STEP = "first_step_at"
+
+
+class CheckpointState(StrEnum):
+    IN_FLIGHT = "in_flight"
+    DURABLE = "durable"
+    FAILED = "failed"
+    ABANDONED = "abandoned"
+
+
+class CheckpointMode(StrEnum):
+    SYNC = "sync"
+    ASYNC = "async"
+
+
+class CommandKind(StrEnum):
+    STOP = "stop"
+    RESTART = "restart"
+    INJECT_FAULT = "inject_fault"
+
+
+class EventKind(StrEnum):
+    """What an event's ``data`` holds, by kind:
+
+    - ``rank_started``: iteration (in-process), restart_count (in-job), world_size, node, pid
+    - ``rank_finished``: step, loss (final)
+    - ``fault``: fault (FaultClass), cycle, message, detected_by (a Layer or "trainer"/"launcher")
+    - ``cycle``: cycle (key shared by every rank and the launcher), layer, mark (CycleMark),
+      step (for restarted/checkpoint_loaded: the step resumed from)
+    - ``checkpoint``: step, mode, state, blocking_s, write_s, bytes
+    - ``command_ack``: command_id, ok (bool), detail
+    - ``launcher``: message (free-form facts only the launcher sees: exit codes, signals)
+    - ``integration``: level (0 unmodified script, 1 SDK calls, 2 SDK entrypoint), entrypoint, sdk,
+      torch, nvrx (versions) - sent by each rank of a job that runs the user's own code
+    """
+
+    RANK_STARTED = "rank_started"
+    RANK_FINISHED = "rank_finished"
+    FAULT = "fault"
+    CYCLE = "cycle"
+    CHECKPOINT = "checkpoint"
+    COMMAND_ACK = "command_ack"
+    LAUNCHER = "launcher"
+    INTEGRATION = "integration"
+
+
+def cycle_key(*, attempt: int = 0, restart_count: int | None = None, iteration: int | None = None) -> str:
+    """The key of a restart cycle, identical on every rank, the launcher and the control plane.
+
+    ``attempt`` counts job-level restarts (new processes or pods, started by the control plane),
+    ``restart_count`` is ft_launcher's in-job round (TORCHELASTIC_RESTART_COUNT) and ``iteration``
+    the in-process Wrapper iteration. A cycle is named by what restarted:
+    job-level ``job<A>``; in-job ``a<A>-ij<N>``; in-process ``a<A>-ij<N>-ip<I>``.
+    """
+    if restart_count is None:
+        return f"job{attempt}"
+    if iteration is None:
+        return f"a{attempt}-ij{restart_count}"
+    return f"a{attempt}-ij{restart_count}-ip{iteration}"
+
+
+class WireError(ValueError):
+    """A batch that does not follow this format; ``field`` names the offending path."""
+
+    def __init__(self, message: str, field: str = ""):
+        super().__init__(f"{field}: {message}" if field else message)
+        self.message = message
+        self.field = field
+
+
+@dataclass(slots=True, frozen=True)
+class Heartbeat:
+    rank: int
+    step: int
+    phase: str
+    at: float
+    loss: float | None = None
+    step_time_s: float | None = None
+    tokens_per_s: float | None = None
+    node: str = ""
+    pid: int | None = None
+
+
+@dataclass(slots=True, frozen=True)
+class Event:
+    id: str
+    kind: str
+    at: float
+    rank: int | None = None
+    data: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(slots=True, frozen=True)
+class Batch:
+    sent_at: float
+    heartbeats: list[Heartbeat]
+    events: list[Event]
+    source: str = ""
+
+
+_PHASES = frozenset(p.value for p in Phase)
+_EVENT_KINDS = frozenset(k.value for k in EventKind)
+_NUL = "\x00"
+
+
+def words(choices) -> str:
+    """Allowed values for an error message, as plain strings: ``a, b, c``."""
+    return ", ".join(sorted(str(c) for c in choices))
+
+
+def _num(v: Any, path: str, *, optional: bool = False, lo: float | None = None, hi: float | None = None
+         ) -> float | None:
+    if v is None and optional:
+        return None
+    # bool is an int subclass; a JSON true is not a number.
+    if type(v) not in (int, float):
+        raise WireError("must be a number", path)
+    if not math.isfinite(v):
+        if optional:  # NaN/inf loss is a fact worth keeping (a NaN drill); store it as null
+            return None
+        raise WireError("must be finite", path)
+    if lo is not None and v < lo:
+        raise WireError(f"must be >= {lo:g}", path)
+    if hi is not None and v > hi:
+        raise WireError(f"must be <= {hi:g}", path)
+    return float(v)
+
+
+def _int(v: Any, path: str, *, lo: int = 0, hi: int = MAX_INT64) -> int:
+    if type(v) is not int:
+        raise WireError("must be an integer", path)
+    if v < lo:
+        raise WireError(f"must be >= {lo}", path)
+    if v > hi:
+        raise WireError(f"must be <= {hi}", path)
+    return v
+
+
+def _str(v: Any, path: str, max_len: int = MAX_STRING_LEN) -> str:
+    if type(v) is not str:
+        raise WireError("must be a string", path)
+    if len(v) > max_len:
+        raise WireError(f"must be at most {max_len} characters", path)
+    if _NUL in v:
+        raise WireError("must not contain NUL (\\u0000) characters", path)
+    return v
+
+
+def _word(v: Any, path: str, choices: frozenset) -> str:
+    if type(v) is not str or v not in choices:
+        raise WireError(f"must be one of {words(choices)}", path)
+    return v
+
+
+@dataclass(slots=True, frozen=True)
+class Window:
+    """Where a timestamp may lie: ``earliest`` (server clock minus the max age) to ``latest``
+    (the batch's ``sent_at`` plus MAX_FUTURE_S)."""
+
+    earliest: float
+    latest: float
+
+    def check(self, v: Any, path: str) -> float:
+        at = _num(v, path)
+        assert at is not None
+        if at > self.latest:
+            raise WireError(f"is later than the batch's sent_at + {MAX_FUTURE_S:g} s; timestamps must come "
+                            "from the sender's clock", path)
+        if at < self.earliest:
+            raise WireError(f"is older than the server accepts (unix seconds >= {self.earliest:.0f}, "
+                            "the server clock minus UNBROKEN_INGEST_MAX_AGE_S); send unix seconds", path)
+        return at
+
+
+def parse_batch(obj: Any, *, now: float, world_size: int | None = None,
+                max_age_s: float = DEFAULT_MAX_AGE_S) -> Batch:
+    """Validate a decoded JSON batch; raise WireError naming the first bad field.
+
+    Validation is complete (the envelope, every heartbeat and every event's ``data`` for its kind)
+    before anything is written, so a bad batch is refused whole.
+    """
+    if type(obj) is not dict:
+        raise WireError("the body must be a JSON object")
+    v = obj.get("v", WIRE_VERSION)
+    if type(v) is not int or v != WIRE_VERSION:
+        raise WireError(f"unsupported wire version {v!r}; this server speaks {WIRE_VERSION}", "v")
+    sent_at = _num(obj.get("sent_at"), "sent_at")
+    assert sent_at is not None
+    if abs(sent_at - now) > MAX_CLOCK_SKEW_S:
+        raise WireError(
+            f"clock skew of {sent_at - now:+.1f} s against the server exceeds {MAX_CLOCK_SKEW_S:.0f} s;"
+            " sync the trainer host's clock (NTP)",
+            "sent_at",
+        )
+    window = Window(earliest=now - max_age_s, latest=sent_at + MAX_FUTURE_S)
+    hbs_in = obj.get("heartbeats", [])
+    evs_in = obj.get("events", [])
+    if type(hbs_in) is not list:
+        raise WireError("must be a list", "heartbeats")
+    if type(evs_in) is not list:
+        raise WireError("must be a list", "events")
+    if len(hbs_in) > MAX_HEARTBEATS:
+        raise WireError(f"at most {MAX_HEARTBEATS} per batch; split the batch", "heartbeats")
+    if len(evs_in) > MAX_EVENTS:
+        raise WireError(f"at most {MAX_EVENTS} per batch; split the batch", "events")
+    hbs = [parse_heartbeat(h, f"heartbeats[{i}]", window, world_size) for i, h in enumerate(hbs_in)]
+    evs = [_event(e, f"events[{i}]", window, world_size) for i, e in enumerate(evs_in)]
+    source = obj.get("source", "")
+    return Batch(sent_at=sent_at, heartbeats=hbs, events=evs, source=_str(source, "source", MAX_SOURCE_LEN))
+
+
+def _rank(v: Any, path: str, world_size: int | None) -> int:
+    r = _int(v, path, hi=MAX_RANK)
+    if world_size is not None and r >= world_size:
+        raise WireError(f"unknown rank {r}: this job has ranks 0..{world_size - 1}", path)
+    return r
+
+
+def parse_heartbeat(h: Any, path: str, window: Window, world_size: int | None) -> Heartbeat:
+    """One heartbeat object (also used by the control plane on states read back from its store)."""
+    if type(h) is not dict:
+        raise WireError("must be an object", path)
+    phase = _word(h.get("phase"), f"{path}.phase", _PHASES)
+    pid = h.get("pid")
+    return Heartbeat(
+        rank=_rank(h.get("rank"), f"{path}.rank", world_size),
+        step=_int(h.get("step"), f"{path}.step", hi=MAX_STEP),
+        phase=phase,
+        at=window.check(h.get("at"), f"{path}.at"),
+        loss=_num(h.get("loss"), f"{path}.loss", optional=True),
+        step_time_s=_num(h.get("step_time_s"), f"{path}.step_time_s", optional=True, lo=0, hi=MAX_DURATION_S),
+        tokens_per_s=_num(h.get("tokens_per_s"), f"{path}.tokens_per_s", optional=True, lo=0,
+                          hi=MAX_TOKENS_PER_S),
+        node=_str(h.get("node", ""), f"{path}.node", MAX_NODE_LEN),
+        pid=None if pid is None else _int(pid, f"{path}.pid", hi=MAX_PID),
+    )
+
+
+def _event(e: Any, path: str, window: Window, world_size: int | None) -> Event:
+    if type(e) is not dict:
+        raise WireError("must be an object", path)
+    eid = _str(e.get("id"), f"{path}.id", MAX_EVENT_ID_LEN)
+    if not eid:
+        raise WireError("must not be empty", f"{path}.id")
+    kind = _word(e.get("kind"), f"{path}.kind", _EVENT_KINDS)
+    rank = e.get("rank")
+    data = e.get("data", {})
+    if type(data) is not dict:
+        raise WireError("must be an object", f"{path}.data")
+    if len(data) > MAX_DATA_KEYS:
+        raise WireError(f"at most {MAX_DATA_KEYS} keys", f"{path}.data")
+    check_event_data(kind, data, path)  # first: the keys the control plane reads have the tighter bounds
+    _check_json(data, f"{path}.data", 1)
+    size = len(json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode("utf-8", "surrogatepass"))
+    if size > MAX_DATA_BYTES:
+        raise WireError(f"is {size} bytes encoded; at most {MAX_DATA_BYTES}", f"{path}.data")
+    return Event(
+        id=eid,
+        kind=kind,
+        at=window.check(e.get("at"), f"{path}.at"),
+        rank=None if rank is None else _rank(rank, f"{path}.rank", world_size),
+        data=data,
+    )
+
+
+def _check_json(v: Any, path: str, depth: int) -> None:
+    """Free-form ``data``: storable JSON (no NUL, finite numbers, 64-bit integers), nested at most
+    MAX_DATA_DEPTH deep."""
+    t = type(v)
+    if t is dict or t is list:
+        if depth > MAX_DATA_DEPTH:
+            raise WireError(f"nests deeper than {MAX_DATA_DEPTH} levels", path)
+        if t is dict:
+            for k, x in v.items():
+                if type(k) is not str or len(k) > MAX_STRING_LEN or _NUL in k:
+                    raise WireError(f"has a key that is not a string of at most {MAX_STRING_LEN} characters "
+                                    "without NUL (\\u0000)", path)
+                _check_json(x, f"{path}.{k}", depth + 1)
+        else:
+            for i, x in enumerate(v):
+                _check_json(x, f"{path}[{i}]", depth + 1)
+    elif t is str:
+        _str(v, path)
+    elif t is int:
+        _int(v, path, lo=-MAX_INT64 - 1)
+    elif t is float:
+        _num(v, path)
+    elif v is not None and t is not bool:
+        raise WireError("must be JSON (an object, list, string, number, true, false or null)", path)
+
+
+# --- each event kind's ``data`` -----------------------------------------------------------------------
+
+
+@dataclass(slots=True, frozen=True)
+class DataField:
+    """One checked key of an event's ``data``: its JSON type, bounds and vocabulary."""
+
+    type: str  # "string" | "integer" | "number" | "boolean"
+    required: bool = False
+    choices: frozenset[str] | None = None
+    max_len: int = 200
+    maximum: float | None = None
+    description: str = ""
+
+
+def _choice(e, required: bool = False) -> DataField:
+    return DataField("string", required=required, choices=frozenset(m.value for m in e))
+
+
+_STEP = DataField("integer", maximum=MAX_STEP)
+_DURATION = DataField("number", maximum=MAX_DURATION_S)
+# What the control plane reads from each kind's ``data`` (other keys are stored as they are).
+EVENT_DATA: dict[str, dict[str, DataField]] = {
+    EventKind.CYCLE: {"cycle": DataField("string", required=True, max_len=64), "mark": _choice(CycleMark, True),
+                      "layer": _choice(Layer), "step": _STEP},
+    EventKind.FAULT: {"fault": _choice(FaultClass, True), "cycle": DataField("string", max_len=64),
+                      "detected_by": DataField("string", max_len=40),
+                      "message": DataField("string", max_len=MAX_STRING_LEN),
+                      "node": DataField("string", max_len=MAX_NODE_LEN), "step": _STEP,
+                      "rank": DataField("integer", maximum=MAX_RANK)},
+    EventKind.CHECKPOINT: {"step": DataField("integer", required=True, maximum=MAX_STEP),
+                           "state": _choice(CheckpointState, True), "mode": _choice(CheckpointMode),
+                           "attempt_key": DataField("string", max_len=64), "blocking_s": _DURATION,
+                           "write_s": _DURATION, "bytes": DataField("integer", maximum=MAX_BYTES)},
+    EventKind.COMMAND_ACK: {"command_id": DataField("integer", required=True, maximum=MAX_COMMAND_ID),
+                            "ok": DataField("boolean", required=True),
+                            "detail": DataField("string", max_len=MAX_STRING_LEN)},
+}
+_TYPE_WORDS = {"integer": "a non-negative integer", "number": "a non-negative number", "string": "a string",
+               "boolean": "true or false"}
+
+
+def check_event_data(kind: str, data: dict, path: str) -> None:
+    """Check the keys of ``data`` that the control plane reads for this event kind (``EVENT_DATA``)."""
+    for key, f in EVENT_DATA.get(kind, {}).items():
+        p = f"{path}.data.{key}"
+        v = data.get(key)
+        if v is None:
+            if f.required:
+                raise WireError("is required", p)
+            continue
+        t = type(v)
+        ok = (t is str if f.type == "string" else t is int if f.type == "integer"
+              else t in (int, float) if f.type == "number" else t is bool)
+        if not ok or (f.type in ("integer", "number") and v < 0):
+            raise WireError(f"must be {_TYPE_WORDS[f.type]}", p)
+        if f.maximum is not None and v > f.maximum:
+            raise WireError(f"must be <= {f.maximum:g}" if f.type == "number" else f"must be <= {f.maximum}", p)
+        if f.choices is not None and v not in f.choices:
+            raise WireError(f"must be one of {words(f.choices)}", p)
+        if t is str:
+            if len(v) > f.max_len:
+                raise WireError(f"must be at most {f.max_len} characters", p)
+            if f.required and not v:
+                raise WireError("must not be empty", p)

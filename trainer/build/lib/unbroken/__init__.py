@@ -1,0 +1,132 @@
+"""Unbroken's training-side SDK: a few calls that let the control plane see and steer your job.
+
+Level 1 (a few lines in your own loop)::
+
+    import unbroken
+
+    run = unbroken.init()                      # once per process, after your own setup
+    for step in range(start, num_steps):
+        loss = train_step(next(batches))
+        run.step(step + 1, loss=loss.item())   # a heartbeat with the step and loss; commands and drills
+        if (step + 1) % 100 == 0:
+            with run.phase("checkpoint_save"):  # a slow phase gets the checkpoint timeout, not the step one
+                save_checkpoint(step + 1)
+        if run.should_stop():                  # an operator pressed Stop (rank-local, never a collective)
+            break
+
+Every call is a no-op when the product did not start the process, so the same script runs under plain
+``torchrun`` or ``python``. No call raises into your loop, except a fault drill you asked for.
+Without any of these calls (Level 0), the product still supervises the script: see the README,
+"Bring your own training script".
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+from trainer import usercode as _usercode
+from trainer.wire import Phase as _Phase
+
+__all__ = ["PHASES", "Run", "checkpoint_dir", "init", "restart_count"]
+
+#: The phases ``Run.phase`` takes. ``checkpoint_save``, ``checkpoint_load`` and ``eval`` are slow: the
+#: job's checkpoint timeout applies while in them. ``checkpoint`` is short for ``checkpoint_save``.
+PHASES = ("checkpoint_save", "checkpoint_load", "eval", "data", "checkpoint")
+_SLOW = frozenset({_Phase.CHECKPOINT_SAVE, _Phase.CHECKPOINT_LOAD, _Phase.EVAL})
+
+
+class Run:
+    """The handle ``init()`` returns. Inactive (every call a no-op) outside the product."""
+
+    def __init__(self, impl: _usercode.UserRun | None):
+        self._impl = impl
+        self._tokens_t: float | None = None
+
+    @property
+    def active(self) -> bool:
+        """True when the product started this process and reports go to its control plane."""
+        return self._impl is not None
+
+    def step(self, step: int, *, loss: float | None = None, tokens: int | None = None) -> None:
+        """Report that step ``step`` completed (call once per step, on every rank).
+
+        ``loss``: a Python float (call ``.item()`` on a tensor yourself, where your loop syncs anyway).
+        ``tokens``: tokens this rank processed in the step, for tokens/s. Fires due drills and acts on
+        commands (stop, in-job restart, fault injection) at this step boundary.
+
+            run.step(step, loss=loss.item(), tokens=batch.numel())
+        """
+        impl = self._impl
+        if impl is None:
+            return
+        if type(step) is not int or step < 0:
+            raise ValueError(f"unbroken: run.step(step={step!r}): step must be a non-negative int")
+        tps = None
+        if tokens is not None:
+            import time
+
+            now = time.perf_counter()
+            if self._tokens_t is not None and now > self._tokens_t:
+                tps = tokens / (now - self._tokens_t)
+            self._tokens_t = now
+        impl.ft_heartbeat()
+        impl.progress(step, None if loss is None else float(loss), tokens_per_s=tps)
+
+    def phase(self, name: str) -> contextlib.AbstractContextManager[None]:
+        """A context for a phase that is not a training step: ``checkpoint_save``, ``checkpoint_load``,
+        ``eval`` or ``data`` (see ``PHASES``).
+
+            with run.phase("eval"):
+                val_loss = evaluate(model)
+        """
+        if name not in PHASES:
+            raise ValueError(f"unbroken: run.phase({name!r}): choose one of {', '.join(PHASES)}")
+        if self._impl is None:
+            return contextlib.nullcontext()
+        phase = _Phase.CHECKPOINT_SAVE if name == "checkpoint" else _Phase(name)
+        return self._impl.in_phase(phase, slow=phase in _SLOW)
+
+    def should_stop(self) -> bool:
+        """True once an operator asked this job to stop. Rank-local (no collective): every rank sees it
+        within about two report intervals; to stop all ranks at the same step, all-reduce the flag.
+
+            stop = torch.tensor(int(run.should_stop()))
+            dist.all_reduce(stop, op=dist.ReduceOp.MAX)
+            if stop.item(): break
+        """
+        return self._impl is not None and self._impl.stop_requested
+
+    def close(self) -> None:
+        """Nothing to do: the product closes the run when the code returns. Here for symmetry."""
+
+    def __enter__(self) -> Run:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def init() -> Run:
+    """Connect this process to the control plane (Level 1). Call once, on every rank; calling it again
+    returns an equivalent handle.
+
+        run = unbroken.init()
+        print(run.active)   # False under plain torchrun: every call is then a no-op
+    """
+    impl = _usercode.current()
+    if impl is not None:
+        impl.upgrade()
+    return Run(impl)
+
+
+def restart_count() -> int:
+    """How many times ft_launcher restarted this job's ranks in this attempt (0 on the first start)."""
+    return int(os.environ.get(_usercode.ENV_RESTART_COUNT, os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
+
+
+def checkpoint_dir() -> str | None:
+    """The directory the product gives this job for checkpoints (kept across restarts), or None
+    outside the product. Resume from the newest complete checkpoint you find there."""
+    return os.environ.get(_usercode.ENV_CHECKPOINT_DIR) or None
+
