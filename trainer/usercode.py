@@ -115,6 +115,21 @@ class _LineTee(io.TextIOBase):
     def writable(self) -> bool:
         return True
 
+    # io.TextIOBase defines these (raising or returning None), so __getattr__ would never see them.
+    def fileno(self) -> int:
+        return self._inner.fileno()
+
+    def isatty(self) -> bool:
+        return self._inner.isatty()
+
+    @property
+    def encoding(self) -> str:  # type: ignore[override]
+        return self._inner.encoding
+
+    @property
+    def errors(self) -> str | None:  # type: ignore[override]
+        return self._inner.errors
+
     def __getattr__(self, name: str) -> Any:  # fileno, isatty, encoding, buffer, ...
         return getattr(self._inner, name)
 
@@ -375,13 +390,13 @@ class UserRun:
 
     # -- Level 1 ----------------------------------------------------------------------------------------
 
-    def upgrade(self) -> None:
-        """``unbroken.init()`` was called: the loop reports from now on."""
-        if self.level >= 1:
+    def upgrade(self, level: int = 1) -> None:
+        """``unbroken.init()`` (1) or ``unbroken.run()`` (2) was called: the loop reports from now on."""
+        if self.level >= level:
             return
-        self.level = 1
+        had_ft, self.level = self.level >= 1, level
         self._integration()
-        if self.env.in_job:
+        if self.env.in_job and not had_ft:
             from trainer.resilience import FtClient
 
             try:

@@ -17,6 +17,8 @@ LEVEL_LIMITS = {
     1: "Level 1 (SDK calls): steps, loss, phases, commands and hang detection from the loop's heartbeats. "
        "Your script saves its own checkpoints, so there is no checkpoint ledger or checkpoint-load mark, "
        "and no in-process restart.",
+    2: "Level 2 (SDK entrypoint): steps, loss, phases, commands agreed across ranks, the product's async "
+       "checkpoints with their ledger, and in-process restarts when the job has them on.",
 }
 
 
@@ -31,6 +33,10 @@ def code_part(job: Job) -> dict | None:
     levels = [h.get("level") for h in hellos if isinstance(h.get("level"), int)]
     level = max(levels) if levels else None
     latest = hellos[0] if hellos else {}
+    limits = LEVEL_LIMITS.get(level) if level is not None else \
+        "waiting for the ranks to start (they report their integration level and versions)"
+    if level is not None and level < 2 and spec.get("in_process"):
+        limits += " In-process restarts are on for this job but take effect only at level 2."
     return {
         "entrypoint": spec["entrypoint"],
         "args": shlex.join(spec.get("args") or []),
@@ -38,6 +44,5 @@ def code_part(job: Job) -> dict | None:
         "env_names": sorted((spec.get("env") or {}).keys()),
         "level": level,
         "versions": {k: latest.get(k) for k in ("sdk", "torch", "nvrx", "python") if latest.get(k)},
-        "limits": LEVEL_LIMITS.get(level) if level is not None else
-        "waiting for the ranks to start (they report their integration level and versions)",
+        "limits": limits,
     }

@@ -167,17 +167,15 @@ class JobSpec:
                 errors[f"drills[{i}].rank"] = f"must be a rank of this job: 0..{self.world_size - 1}"
             elif not 0 < d.step < self.steps:
                 errors[f"drills[{i}].step"] = f"must be within 1..{self.steps - 1} (before the last step)"
-            elif self.entrypoint and d.fault not in DRILLS_FOR_USER_CODE:
+            elif self.entrypoint and not self.in_process and d.fault not in DRILLS_FOR_USER_CODE:
                 errors[f"drills[{i}].fault"] = (f"your own script can be drilled with {', '.join(DRILLS_FOR_USER_CODE)} "
-                                                "(fired when it reports that step)")
+                                                "(fired when it reports that step); nan_loss and hang_collective "
+                                                "need the SDK's entrypoint function with in-process restarts on")
         if errors:
             raise SpecError(errors)
 
     def _user_code_errors(self) -> dict[str, str]:
         errors: dict[str, str] = {}
-        if self.entrypoint and self.in_process:
-            errors["in_process"] = ("in-process restart re-enters an entrypoint function (the SDK's full level, "
-                                    "not available yet); turn it off: in-job and job restarts still recover")
         if self.entrypoint and not _ENTRYPOINT.match(self.entrypoint):
             errors["entrypoint"] = ("name a script (train.py, src/train.py), a module (pkg.train) or a function "
                                     "(pkg.train:main)")
@@ -231,7 +229,7 @@ class JobSpec:
             if isinstance(kwargs.get("args"), list):
                 kwargs["args"] = tuple(kwargs["args"])
             if kwargs.get("entrypoint") and "in_process" not in kwargs:
-                kwargs["in_process"] = False  # in-process restart needs the SDK's entrypoint function
+                kwargs["in_process"] = False  # re-enters only an SDK entrypoint function: opt in
         except TypeError as e:
             raise SpecError({"drills" if "Drill" in str(e) else "kubernetes": str(e)}) from None
         _check_types(cls, kwargs)

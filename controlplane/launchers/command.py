@@ -28,10 +28,12 @@ def _num(x: float) -> str:
 def trainer_args(spec: JobSpec, *, report_url: str = "") -> list[str]:
     """Flags of the training loop (``python -m trainer`` parses them; ``trainer.launch`` passes them on).
 
-    For the user's own code (``spec.entrypoint``) they are the shim's: reporting, drills and the in-job
-    layer's timeouts (no model, no checkpoints: the user's code owns those)."""
+    For the user's own code (``spec.entrypoint``) they are the shim's: reporting, drills, the layers'
+    timeouts and the checkpoint settings the SDK's full level uses (no model: the user's code has it)."""
     if spec.entrypoint:
-        args = ["--no-in-process", "--steps", str(spec.steps),
+        args = ["--in-process" if spec.in_process else "--no-in-process", "--steps", str(spec.steps),
+                "--ckpt-interval", str(spec.checkpoint_interval), "--ckpt-mode", spec.checkpoint_mode,
+                "--keep-ckpts", str(spec.keep_checkpoints),
                 "--step-timeout", _num(spec.step_timeout_s),
                 "--ckpt-timeout", _num(spec.checkpoint_timeout_s),
                 "--startup-timeout", _num(max(120.0, 2 * spec.step_timeout_s))]
@@ -44,7 +46,7 @@ def trainer_args(spec: JobSpec, *, report_url: str = "") -> list[str]:
             "--keep-ckpts", str(spec.keep_checkpoints),
             "--in-process" if spec.in_process else "--no-in-process",
         ]
-    if spec.in_process and not spec.entrypoint:
+    if spec.in_process:
         args += ["--max-in-process-restarts", str(spec.max_in_process_restarts)]
     args += ["--report-interval", _num(spec.heartbeat_interval_s)]
     for drill in spec.drills:

@@ -1,18 +1,18 @@
 """The user's own training code, run through the control plane with real processes (2 ranks, gloo):
-an unmodified FSDP2 script (Level 0), the same script with the SDK's few lines (Level 1), and code
-that cannot start."""
+an unmodified FSDP2 script (Level 0), the same script with the SDK's few lines (Level 1), the same
+training as an SDK entrypoint (Level 2), and code that cannot start."""
 
 from pathlib import Path
 
 import pytest
 
 from controlplane.jobs import services
-from controlplane.jobs.models import Event, Fault, Job, JobStatus, Rank, RestartCycle
+from controlplane.jobs.models import Checkpoint, Event, Fault, Job, JobStatus, Rank, RestartCycle
 from controlplane.jobs.spec import Drill, JobSpec
 from controlplane.launchers.local import LocalLauncher
 from controlplane.launchers.services import supervise_all
 from tests.helpers import wait_for
-from trainer.wire import EventKind, FaultClass, Layer
+from trainer.wire import CheckpointState, EventKind, FaultClass, Layer
 
 pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 
@@ -94,7 +94,47 @@ def test_it_detects_a_hung_level1_loop_from_its_heartbeats_and_restarts_it(e2e_s
         # ft_launcher saw the loop's heartbeats stop: detected within the step timeout (+ its check interval).
         assert 4.0 <= (cycle.detected_at - cycle.fault_at).total_seconds() < 15.0, cycle.__dict__
         assert {e.data["level"] for e in Event.objects.filter(job=job, kind=EventKind.INTEGRATION)} == {0, 1}
-        assert Rank.objects.filter(job=job, last_step=150).count() == 2
+        # With Redis, rank rows follow the heartbeat store on the flush (every few seconds).
+        wait_for(lambda: Rank.objects.filter(job=job, last_step=150).count() == 2, timeout_s=30,
+                 what="both ranks' rows at the last step")
+    finally:
+        _cleanup(job)
+
+
+def _clean_loss(script: Path, steps: int) -> float:
+    """The same script under plain torchrun (the SDK does nothing there): the loss to come back to."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                          str(script), "--steps", str(steps)], capture_output=True, text=True, timeout=180,
+                         env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    line = next(x for x in out.stdout.splitlines() if x.startswith("FINAL_LOSS"))
+    return float(line.split()[1])
+
+
+def test_it_recovers_a_level2_entrypoint_by_every_layer_to_the_clean_runs_loss(e2e_settings, celery_beat_thread,
+                                                                                tmp_path):
+    script = EXAMPLES / "fsdp_level2.py"
+    clean = _clean_loss(script, 150)
+    drills = (Drill(step=30, fault="exception", rank=1), Drill(step=70, fault="sigkill", rank=0),
+              Drill(step=110, fault="nan_loss", rank=0))
+    job = _job(tmp_path, str(script), args=("--steps", "150"), steps=150, in_process=True, step_timeout_s=20.0,
+               checkpoint_interval=20, drills=drills)
+    try:
+        _finish(job)
+        assert job.status == JobStatus.SUCCEEDED, (job.status_reason, _log(job))
+        final = [x for x in _log(job).splitlines() if "FINAL_LOSS" in x]
+        assert final and float(final[-1].split("FINAL_LOSS", 1)[1].split()[0]) == pytest.approx(clean, rel=1e-6)
+        got = [(f.fault_class, f.cycle.layer, f.rank) for f in
+               Fault.objects.filter(job=job, cycle__isnull=False).select_related("cycle").order_by("at")]
+        assert got == [(FaultClass.EXCEPTION, Layer.IN_PROCESS, 1), (FaultClass.PROCESS_KILLED, Layer.IN_JOB, 0),
+                       (FaultClass.NAN_LOSS, Layer.IN_PROCESS, 0)], got
+        for c in RestartCycle.objects.filter(job=job):
+            assert None not in (c.fault_at, c.detected_at, c.restarted_at, c.checkpoint_loaded_at,
+                                c.first_step_at), c.__dict__
+        assert Checkpoint.objects.filter(job=job, state=CheckpointState.DURABLE).count() >= 5
+        assert max(e.data["level"] for e in Event.objects.filter(job=job, kind=EventKind.INTEGRATION)) == 2
     finally:
         _cleanup(job)
 

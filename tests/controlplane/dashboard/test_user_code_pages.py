@@ -57,7 +57,6 @@ def test_it_starts_ones_own_script_with_arguments_and_environment(tmp_path):
     ({"env": "HF_TOKEN=abc"}, "env", "looks like a secret"),
     ({"env": "RANK=3"}, "env", "set by the launcher"),
     ({"args": "--name 'unterminated"}, "args", "cannot split it like a command line"),
-    ({"in_process": "on"}, "in_process", "in-process restart re-enters an entrypoint function"),
     ({"drills": "50:nan_loss:0"}, "drills", "your own script can be drilled with"),
 ])
 def test_it_shows_errors_of_ones_own_script_next_to_the_field(tmp_path, changes, field, message):

@@ -29,9 +29,14 @@ def test_the_built_in_model_keeps_its_command():
 
 def test_in_process_restart_is_off_for_ones_own_code_unless_asked():
     assert JobSpec.from_dict({"entrypoint": "train.py"}).in_process is False
-    with pytest.raises(SpecError) as e:
-        JobSpec.from_dict({"entrypoint": "train.py", "in_process": True})
-    assert "entrypoint function" in e.value.errors["in_process"]
+    assert "--no-in-process" in _args(entrypoint="train.py")
+    args = _args(entrypoint="pkg.train:train", in_process=True, checkpoint_interval=7)
+    assert "--in-process" in args and args[args.index("--ckpt-interval") + 1] == "7"
+    with pytest.raises(SpecError) as e:  # drills only the SDK's full level can fire
+        JobSpec.from_dict({"entrypoint": "t.py", "drills": [{"step": 5, "fault": "nan_loss", "rank": 0}]})
+    assert "in-process restarts on" in e.value.errors["drills[0].fault"]
+    assert JobSpec.from_dict({"entrypoint": "t.py", "in_process": True,
+                              "drills": [{"step": 5, "fault": "nan_loss", "rank": 0}]}).drills
 
 
 @pytest.mark.parametrize("spec, field, message", [
