@@ -51,6 +51,7 @@ class Receiver:
                     batch = json.loads(body)
                     batch["_auth"] = self.headers.get("Authorization")
                     batch["_path"] = self.path
+                    batch["_received_at"] = time.time()
                     with recv.lock:
                         recv.batches.append(batch)
                         acked = {e["data"].get("command_id") for b in recv.batches for e in b.get("events", [])
@@ -113,14 +114,21 @@ class Run:
 
 def launch(run_dir: Path, *, trainer_flags: list[str], nproc: int = 2, in_job: bool = True,
            max_restarts: int = 2, report_url: str | None = None, attempt: int = 0, timeout_s: float = 240,
-           job_id: str = "job-1", token: str = "t0ken", env: dict[str, str] | None = None) -> Run:
+           job_id: str = "job-1", token: str = "t0ken", env: dict[str, str] | None = None,
+           entrypoint: str | None = None, user_args: list[str] | None = None, report_interval: float = 0.2) -> Run:
+    """``trainer.launch`` of the built-in model, or of ``entrypoint`` (the user's code) with ``user_args``."""
     port = free_port_block()
     cmd = [PYTHON, "-m", "trainer.launch", "--nnodes", "1", "--node-rank", "0", "--nproc-per-node", str(nproc),
            "--rdzv-endpoint", f"127.0.0.1:{port}", "--max-restarts", str(max_restarts),
            "--in-job" if in_job else "--no-in-job", "--run-dir", str(run_dir), "--job-id", job_id,
-           "--attempt", str(attempt), "--", "--log-every", "0", *trainer_flags]
+           "--attempt", str(attempt)]
+    if entrypoint:
+        cmd += ["--entrypoint", entrypoint]
+    cmd += ["--", "--log-every", "0", *trainer_flags]
     if report_url:
-        cmd += ["--report-url", report_url, "--report-interval", "0.2"]
+        cmd += ["--report-url", report_url, "--report-interval", str(report_interval)]
+    if entrypoint:
+        cmd += ["--", *(user_args or [])]
     t0 = time.monotonic()
     proc = subprocess.Popen(cmd, cwd=ROOT, env=child_env(UNBROKEN_TOKEN=token, **(env or {})), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)

@@ -1,0 +1,129 @@
+"""SDK benchmark: what the SDK's full level costs a training step, and how fast an unmodified
+(Level-0) script's killed rank reaches the control plane.
+
+- Step overhead: ``tests/bench/sdk_workload.py`` (the FSDP2 model of ``trainer/examples/fsdp_level2.py``,
+  2 ranks, gloo on CPU) runs the same steps as a plain loop under ``torchrun`` and through the SDK
+  under the product's launcher (``trainer.launch --entrypoint``: ft_launcher, the NVRx Wrapper,
+  reporter on, async DCP checkpoints at the interval), alternating, ``--runs`` each. R = median step
+  time with the SDK / without, checkpoint steps (a save started) excluded; P = p99 of the time spent
+  inside the SDK's per-step calls (``ctx.step``, ``maybe_save`` on non-saving steps,
+  ``wait_for_staging``), checkpoint steps excluded.
+- Level-0 detection: ``trainer/examples/plain_fsdp.py`` unmodified under the launcher with a SIGKILL
+  drill on rank 1; D = the fault event's arrival at the ingest sink - the kill. Both launches report
+  every 1 s, the job spec's default heartbeat interval. The sink is a loopback
+  HTTP server standing in for the ingest endpoint (the control plane's own ingest adds milliseconds).
+
+    python tests/bench/bench_sdk.py [--runs 3] [--steps 300]
+
+Last line: sdk_step_overhead_p99_ms=<P> sdk_overhead_ratio=<R> level0_fault_detect_s=<D>
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from tests.trainer.conftest import Receiver, child_env, launch  # noqa: E402
+from trainer.ports import free_port_block  # noqa: E402
+
+WORKLOAD = ROOT / "tests" / "bench" / "sdk_workload.py"
+SKIP_WARMUP = 5  # the first steps (allocator, first collectives) are not steady state
+
+
+def _read(out: Path) -> tuple[list[float], list[float]]:
+    steps, sdk = [], []
+    for f in sorted(out.glob("rank*.json")):
+        d = json.loads(f.read_text())
+        for i, (s, k, saved) in enumerate(zip(d["step_s"], d["sdk_s"], d["saved"], strict=True)):
+            if i < SKIP_WARMUP or saved:
+                continue
+            steps.append(s)
+            sdk.append(k)
+    return steps, sdk
+
+
+def run_plain(steps: int) -> list[float]:
+    out = Path(tempfile.mkdtemp(prefix="bench-sdk-plain-"))
+    port = free_port_block()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
+           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", str(WORKLOAD), "--plain",
+           "--steps", str(steps), "--out", str(out)]
+    r = subprocess.run(cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=600)
+    if r.returncode != 0:
+        raise SystemExit(f"plain run failed:\n{r.stdout[-2000:]}{r.stderr[-2000:]}")
+    return _read(out)[0]
+
+
+def run_sdk(steps: int, recv: Receiver) -> tuple[list[float], list[float]]:
+    run_dir = Path(tempfile.mkdtemp(prefix="bench-sdk-"))
+    out = run_dir / "times"
+    r = launch(run_dir, trainer_flags=["--in-process", "--steps", str(steps), "--ckpt-interval", "20"],
+               report_url=recv.url, timeout_s=600, entrypoint=str(WORKLOAD), report_interval=1.0,
+               user_args=["--steps", str(steps), "--out", str(out)])
+    if r.rc != 0:
+        raise SystemExit(f"SDK run failed (rc {r.rc}):\n{r.log[-3000:]}")
+    return _read(out)
+
+
+def level0_detect(recv: Receiver) -> float:
+    run_dir = Path(tempfile.mkdtemp(prefix="bench-sdk-l0-"))
+    r = launch(run_dir, trainer_flags=["--no-in-process", "--steps", "400", "--drill", "150:sigkill:1"],
+               report_url=recv.url, timeout_s=600, report_interval=1.0,
+               entrypoint=str(ROOT / "trainer" / "examples" / "plain_fsdp.py"),
+               user_args=["--steps", "400", "--ckpt-dir", str(run_dir / "ckpt")])
+    if r.rc != 0:
+        raise SystemExit(f"Level-0 run failed (rc {r.rc}):\n{r.log[-3000:]}")
+    time.sleep(0.5)
+    with recv.lock:
+        batches = list(recv.batches)
+    killed_at = next(e["at"] for b in batches for e in b.get("events", [])
+                     if e["kind"] == "cycle" and e["data"]["mark"] == "fault_at")
+    arrived = next(b["_received_at"] for b in batches for e in b.get("events", [])
+                   if e["kind"] == "fault" and e["data"]["fault"] == "process_killed")
+    return arrived - killed_at
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--steps", type=int, default=300)
+    a = p.parse_args()
+    ratios, sdk_all, detects = [], [], []
+    for i in range(a.runs):
+        recv = Receiver().start()
+        try:
+            plain = run_plain(a.steps)
+            sdk_steps, sdk_calls = run_sdk(a.steps, recv)
+            detects.append(level0_detect(recv))
+        finally:
+            recv.stop()
+        ratio = statistics.median(sdk_steps) / statistics.median(plain)
+        ratios.append(ratio)
+        sdk_all += sdk_calls
+        print(f"run {i + 1}: plain median step {statistics.median(plain) * 1e3:.2f} ms, SDK "
+              f"{statistics.median(sdk_steps) * 1e3:.2f} ms (ratio {ratio:.3f}); SDK calls p50 "
+              f"{pct(sdk_calls, 0.5) * 1e3:.3f} ms p99 {pct(sdk_calls, 0.99) * 1e3:.3f} ms; "
+              f"Level-0 kill -> fault {detects[-1]:.2f} s", flush=True)
+    print(f"sdk_step_overhead_p99_ms={pct(sdk_all, 0.99) * 1e3:.3f} sdk_overhead_ratio={statistics.median(ratios):.3f} "
+          f"level0_fault_detect_s={statistics.median(detects):.2f}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    sys.exit(main())

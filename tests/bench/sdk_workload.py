@@ -1,0 +1,93 @@
+"""The workload of ``bench_sdk.py``: the FSDP2 model of ``trainer/examples/fsdp_level2.py`` trained
+either as a plain loop (``--plain``) or through the SDK's full level, timing each step and, in SDK
+mode, the time spent inside the SDK's per-step calls. Writes ``<out>/rank<R>.json``."""
+
+import argparse
+import importlib.util
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import unbroken
+
+ROOT = Path(__file__).resolve().parents[2]
+spec = importlib.util.spec_from_file_location("fsdp_level2", ROOT / "trainer" / "examples" / "fsdp_level2.py")
+example = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(example)
+
+
+def args() -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--d", type=int, default=256)
+    p.add_argument("--out", required=True)
+    p.add_argument("--plain", action="store_true")
+    return p.parse_args()
+
+
+def loop(a, rank, model, opt, start, sdk) -> None:
+    vocab = 512
+    step_s, sdk_s, saved = [], [], []
+    t_prev = time.perf_counter()
+    for step in range(start, a.steps):
+        x, y = example.batch(step, rank, vocab, n=512)
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        t_sdk = time.perf_counter()
+        if sdk is not None:
+            sdk.checkpoint.wait_for_staging()
+        spent = time.perf_counter() - t_sdk
+        opt.step()
+        opt.zero_grad()
+        t_sdk = time.perf_counter()
+        did_save = False
+        if sdk is not None:
+            sdk.step(step + 1, loss=loss.item())
+            did_save = sdk.checkpoint.maybe_save(step + 1)
+        else:
+            loss.item()  # the same host sync the SDK call implies
+        spent += time.perf_counter() - t_sdk
+        now = time.perf_counter()
+        step_s.append(now - t_prev)
+        sdk_s.append(spent)
+        saved.append(did_save)
+        t_prev = now
+    Path(a.out).mkdir(parents=True, exist_ok=True)
+    (Path(a.out) / f"rank{rank}.json").write_text(json.dumps({"step_s": step_s, "sdk_s": sdk_s, "saved": saved,
+                                                               "threads": torch.get_num_threads()}))
+
+
+def build(d: int):
+    torch.manual_seed(0)
+    model = example.build_model(512, d)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+
+@unbroken.entrypoint
+def with_sdk(ctx: unbroken.Context) -> None:
+    a = args()
+    ctx.init_process_group()
+    model, opt = build(a.d)
+    start = ctx.checkpoint.restore(model=model, optim=opt)
+    loop(a, ctx.rank, model, opt, start, ctx)
+
+
+def plain() -> None:
+    a = args()
+    dist.init_process_group("gloo")
+    model, opt = build(a.d)
+    loop(a, dist.get_rank(), model, opt, 0, None)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if "--plain" in os.sys.argv:
+        plain()
+    else:
+        with_sdk()
