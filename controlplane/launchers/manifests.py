@@ -37,6 +37,7 @@ PREFIX = "unbroken"
 CONTAINER = "trainer"
 CHECKPOINT_MOUNT = "/checkpoints"
 TOKEN_DIR = "/var/run/secrets/unbroken"
+USER_SECRETS_DIR = "/var/run/secrets/user"  # kubernetes.secrets: <dir>/<secret name>/<key>
 TOKEN_KEY = "token"
 REPORT_URL_KEY = "report-url"
 JOBSET_API = "jobset.x-k8s.io/v1alpha2"
@@ -247,6 +248,9 @@ def pod_template(spec: JobSpec, *, job_id: int, attempt: int) -> dict[str, Any]:
     }
     if spec.working_dir:
         container["workingDir"] = spec.working_dir  # not expanded by the kubelet: as written
+    for i, secret in enumerate(k8s.secrets):
+        container["volumeMounts"].append({"name": f"user-secret-{i}", "readOnly": True,
+                                          "mountPath": f"{USER_SECRETS_DIR}/{secret}"})
     tolerations = [dict(t) for t in k8s.tolerations]
     if k8s.gpus_per_node and not any(t.get("key") == "nvidia.com/gpu" for t in tolerations):
         tolerations.append({"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"})
@@ -263,6 +267,8 @@ def pod_template(spec: JobSpec, *, job_id: int, attempt: int) -> dict[str, Any]:
             {"name": "dshm", "hostPath": {"path": "/dev/shm", "type": "Directory"}},
             {"name": "job-token", "secret": {"secretName": names.secret, "defaultMode": 0o440,
                                              "items": [{"key": TOKEN_KEY, "path": TOKEN_KEY}]}},
+            *({"name": f"user-secret-{i}", "secret": {"secretName": secret, "defaultMode": 0o440}}
+              for i, secret in enumerate(k8s.secrets)),
         ],
         "tolerations": tolerations,
         "terminationGracePeriodSeconds": TERMINATION_GRACE_S,
@@ -358,7 +364,8 @@ def render(spec: JobSpec, *, job_id: int, attempt: int, token: str, report_url: 
 POD_ENV = frozenset({"JOB_COMPLETION_INDEX", "NODE_NAME", "POD_NAME", "POD_IP"})
 _SHELLS = frozenset({"sh", "bash", "dash", "ash", "ksh", "zsh"})
 _EXECS_ARGS = re.compile(r"\bexec\b[^;&|\n]*\$\{?@")  # exec "$@", exec env X=1 "$@", exec tini -- "${@}"
-_ASSIGNMENT = re.compile(r"(?<![A-Za-z0-9_])([A-Za-z_][A-Za-z0-9_]*)=\S")
+# NAME=value written out (not NAME=$(cat /var/run/secrets/...), which reads it where it is kept)
+_ASSIGNMENT = re.compile(r"(?<![A-Za-z0-9_])([A-Za-z_][A-Za-z0-9_]*)=(?![\"']?\$)\S")
 _DEFAULT_IMAGE = KubernetesSpec().image
 
 
@@ -373,10 +380,10 @@ def spec_problems(spec: JobSpec) -> list[str]:
                  for name in sorted(POD_ENV & set(spec.env))]
     if not spec.entrypoint:
         return problems
-    if k8s.image == _DEFAULT_IMAGE and not spec.entrypoint.startswith("trainer.examples."):
-        problems.append(f"kubernetes.image: {_DEFAULT_IMAGE} holds only Unbroken's trainer and its examples: "
-                        "name the image with your code and the unbroken-sdk package (deploy/README.md, "
-                        "\"Your own training image\")")
+    if k8s.image == _DEFAULT_IMAGE:
+        problems.append(f"kubernetes.image: {_DEFAULT_IMAGE} holds only Unbroken's own trainer: name the image "
+                        "with your code and the unbroken-sdk package (deploy/README.md, \"Your own training "
+                        "image\")")
     for name in ("entrypoint", "working_dir"):
         value = getattr(spec, name)
         if value.startswith("~") or "$" in value:

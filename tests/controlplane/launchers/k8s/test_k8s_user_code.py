@@ -5,14 +5,17 @@ what the spec alone shows to be wrong is refused before anything is created."""
 
 import json
 import os
+import pathlib
 import subprocess
 import sys
+import tomllib
 
 import pytest
 from k8shelpers import NS, k8s_spec, make_job
 from kfake import validate_object
 
 from controlplane.jobs.models import Fault, Job, JobStatus
+from controlplane.jobs.spec import JobSpec
 from controlplane.launchers import manifests, services, tasks
 from controlplane.launchers.base import LaunchError
 
@@ -164,6 +167,57 @@ def test_it_never_puts_the_token_on_a_command_line_or_in_a_plain_env_value():
         assert refs == [{"name": secret["metadata"]["name"], "key": manifests.REPORT_URL_KEY}]
 
 
+def test_it_mounts_the_users_secrets_as_read_only_files():
+    spec = user_spec(kubernetes={"secrets": ["my-llm-secrets", "wandb"], "use_jobset": True})
+    workload = render(spec)[0]
+    assert validate_object(workload) == []
+    c = pod_container(workload)
+    pod = workload["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
+    mounts = {m["mountPath"]: m for m in c["volumeMounts"]}
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    for name in ("my-llm-secrets", "wandb"):
+        mount = mounts[f"/var/run/secrets/user/{name}"]
+        assert mount["readOnly"] is True
+        assert volumes[mount["name"]]["secret"]["secretName"] == name
+    assert not any("secretKeyRef" in e.get("valueFrom", {}) and e["name"] != "UNBROKEN_REPORT_URL" for e in c["env"])
+
+
+def test_the_spec_refuses_secret_names_that_are_not_secret_names():
+    from controlplane.jobs.spec import SpecError
+    for bad in (["My_Secret"], ["a", "a"], [f"s{i}" for i in range(17)], "my-secret"):
+        with pytest.raises(SpecError) as e:
+            user_spec(kubernetes={"secrets": bad})
+        assert "kubernetes.secrets" in e.value.errors
+
+
+# -- the docs: deploy/README.md section 8 and the example Dockerfile --------------------------------------
+
+DEPLOY = pathlib.Path(__file__).resolve().parents[4] / "deploy"
+
+
+def test_the_readmes_example_spec_renders_valid_manifests():
+    text = (DEPLOY / "README.md").read_text()
+    section = text[text.index("## 8. Your own training image"):text.index("## 9. Tests")]
+    example = json.loads(section.split("```json\n", 1)[1].split("```", 1)[0])
+    spec = JobSpec.from_dict(example)
+    assert spec.entrypoint and manifests.spec_problems(spec) == []
+    for obj in render(spec):
+        assert validate_object(obj) == []
+    wrapper = json.loads("{" + section.split("```json\n")[2].split("```", 1)[0] + "}")["command"]
+    assert manifests.spec_problems(user_spec(kubernetes={"command": wrapper})) == []
+
+
+def test_the_example_dockerfile_installs_the_sdk_distribution_the_launcher_comes_from():
+    dockerfile = (DEPLOY / "trainer-image" / "Dockerfile.user-example").read_text()
+    project = tomllib.loads((DEPLOY.parent / "trainer" / "pyproject.toml").read_text())["project"]
+    wheel = project["name"].replace("-", "_")
+    assert f"/tmp/wheels/{wheel}-*.whl)[nvrx]" in dockerfile and "nvrx" in project["optional-dependencies"]
+    assert "import unbroken, trainer.launch" in dockerfile
+    instructions = [line.split()[0] for line in dockerfile.splitlines() if line and line[0] not in "# "]
+    assert "CMD" not in instructions and "ENTRYPOINT" not in instructions  # the control plane sets the command
+    assert instructions[:2] == ["ARG", "FROM"]
+
+
 # -- launch against the fake API server (strict schemas) ---------------------------------------------------
 
 
@@ -279,10 +333,11 @@ def test_preflight_names_the_field_to_fix(cluster, launcher, overrides, field, m
 @pytest.mark.parametrize("overrides", [
     {"kubernetes": {"image": IMAGE, "command": WRAPPER}},
     {"kubernetes": {"image": IMAGE, "command": ["/bin/bash", "/opt/wrap.sh"]}},  # a script file: unseen
+    {"kubernetes": {"image": IMAGE, "secrets": ["my-llm-secrets"], "command": [  # deploy/README.md
+        "bash", "-c", 'export HF_TOKEN=$(cat /var/run/secrets/user/my-llm-secrets/hf-token) && exec "$@"', "--"]}},
     {"kubernetes": {"image": IMAGE}, "entrypoint": "/opt/llm/train.py", "working_dir": ""},
-    {"kubernetes": {"image": "ghcr.io/unbroken/trainer:latest"},  # the default image holds the examples
-     "entrypoint": "trainer.examples.plain_fsdp"},
 ])
 def test_preflight_passes_a_sound_user_code_job(cluster, launcher, overrides):
     cluster.ready()
     assert launcher.preflight(make_job(**{"entrypoint": "train.py", "in_process": False, **overrides})) == []
+    assert launcher.preflight(make_job(kubernetes={"image": "ghcr.io/unbroken/trainer:latest"})) == []
