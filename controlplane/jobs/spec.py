@@ -65,13 +65,16 @@ class KubernetesSpec:
     # A wrapper the container runs our launcher under, e.g. ["bash", "-c", "source /env.sh && exec \"$@\"",
     # "--"]: it must exec its arguments, so the launcher still receives SIGTERM. Empty: the launcher is PID 1.
     command: list[str] = field(default_factory=list)
+    # Secrets of the namespace (the user's: HF token, W&B key) mounted read-only as files at
+    # /var/run/secrets/user/<name>/<key>: secrets never go in the spec's env.
+    secrets: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         errors: dict[str, str] = {}
         for name, kind in (("namespace", str), ("image", str), ("checkpoint_claim", str), ("nvrx_version", str),
                            ("image_pull_policy", str), ("gpus_per_node", int), ("efa_per_node", int),
                            ("use_jobset", bool), ("node_selector", dict), ("tolerations", list),
-                           ("command", list)):
+                           ("command", list), ("secrets", list)):
             value = getattr(self, name)
             if type(value) is not kind:
                 errors[f"kubernetes.{name}"] = {str: "must be a string", int: "must be an integer",
@@ -93,6 +96,9 @@ class KubernetesSpec:
             errors["kubernetes.node_selector"] = "must map label names to string values"
         if not all(type(c) is str and c and "\x00" not in c for c in self.command):
             errors["kubernetes.command"] = "must be a list of non-empty strings (a wrapper that execs its arguments)"
+        if not all(type(n) is str and _DNS_SUBDOMAIN.match(n) for n in self.secrets) or len(self.secrets) > 16 \
+                or len(set(self.secrets)) < len(self.secrets):
+            errors["kubernetes.secrets"] = "must name up to 16 different Secrets of the namespace (lowercase, '-', '.')"
         if not all(type(t) is dict for t in self.tolerations):
             errors["kubernetes.tolerations"] = "must be a list of toleration objects (key, operator, value, effect)"
         if errors:

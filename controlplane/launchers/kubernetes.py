@@ -42,6 +42,8 @@ IMAGE_PULL_REASONS = frozenset({"ErrImagePull", "ImagePullBackOff", "ErrImageNev
                                 "RegistryUnavailable", "SignatureValidationFailed"})
 # Container states that will never start: waiting longer does not help.
 TERMINAL_WAITING = frozenset({"InvalidImageName", "CreateContainerConfigError", "CreateContainerError"})
+# trainer.launch's exit statuses that a job-level restart would only repeat (trainer/launch.py).
+FINAL_EXITS = {2: "the launcher refused the job's settings", 3: "the training code cannot start"}
 NODE_LOST_DISRUPTIONS = frozenset({"DeletionByTaintManager", "DeletionByPodGC"})
 EVICTION_DISRUPTIONS = frozenset({"EvictionByEvictionAPI", "PreemptionByScheduler", "TerminationByKubelet"})
 
@@ -135,6 +137,7 @@ class KubernetesLauncher:
         """Create attempt ``job.attempt``: workload (suspended), Service, Secret, then let pods start.
 
         Every step is idempotent, so a retried task finishes a half-done launch:
+        0. Refuse what the spec alone shows would fail (``manifests.spec_problems``): nothing is created.
         1. Create the Job/JobSet suspended (409 with this attempt = ours already; an older attempt is
            deleted first, waiting for it to go).
         2. Create the headless Service and the token Secret, owned by the workload (409 = patch them).
@@ -142,6 +145,9 @@ class KubernetesLauncher:
         3. Unsuspend: only now can pods start, with their Secret and DNS name in place.
         """
         spec = job.job_spec
+        problems = manifests.spec_problems(spec)
+        if problems:
+            raise LaunchError("; ".join(problems))
         names = manifests.names_for(spec, job.pk)
         ops = self._workload_ops(names)
         owner = self._create_workload(ops, names, manifests.workload(spec, job_id=job.pk, attempt=job.attempt),
@@ -307,7 +313,7 @@ class KubernetesLauncher:
         k8s = spec.kubernetes
         if k8s is None:
             return ["the kubernetes backend needs its settings (namespace, image, ...)"]
-        problems = nvrx_problems(spec, k8s.nvrx_version)
+        problems = manifests.spec_problems(spec) + nvrx_problems(spec, k8s.nvrx_version)
         try:
             problems += self._cluster_problems(spec)
         except (LaunchError, TransientLaunchError) as e:
@@ -476,6 +482,15 @@ def _exit_text(code: int) -> str:
     return f"exit code {code}"
 
 
+def _exit_code(pod: dict) -> int | None:
+    """The trainer container's exit status, once it has terminated (not for an OOM kill)."""
+    for c in pod.get("status", {}).get("containerStatuses") or []:
+        term = (c.get("state") or {}).get("terminated")
+        if c.get("name") == manifests.CONTAINER and term and term.get("reason") != "OOMKilled":
+            return int(term.get("exitCode") or 0)
+    return None
+
+
 def classify_pod(pod: dict, *, procs_per_node: int) -> tuple[str, LaunchFault | None, str]:
     """One pod -> (state: pending|running|succeeded|failed, fault or None, reason).
 
@@ -517,9 +532,12 @@ def classify_pod(pod: dict, *, procs_per_node: int) -> tuple[str, LaunchFault | 
             if term.get("reason") == "OOMKilled":
                 f = fault(FaultClass.OOM_KILLED, f"out of memory (OOMKilled, {_exit_text(code)})", at)
                 return "failed", f, f.message
+            last = (term.get("message") or "").strip().splitlines()[-1:] or [""]
+            tail = f": {last[0][:300]}" if last[0] else ""
+            if code in FINAL_EXITS:
+                # Not a fault of the pod: the launcher reported why (with the traceback) as a fault itself.
+                return "failed", None, f"{where}: {FINAL_EXITS[code]} (exit {code}){tail}"
             if code != 0:
-                last = (term.get("message") or "").strip().splitlines()[-1:] or [""]
-                tail = f": {last[0][:300]}" if last[0] else ""
                 f = fault(FaultClass.PROCESS_KILLED, f"trainer exited with {_exit_text(code)}{tail}", at)
                 return "failed", f, f.message
             if phase == "Failed":
@@ -552,22 +570,28 @@ def summarize(workload: dict, pods: list[dict], events: list[dict], *, nodes: in
     uid = workload.get("metadata", {}).get("uid", "")
     states, faults, reasons = [], [], []
     deleted: list[LaunchFault] = []  # faults of pods being deleted: maybe causes, maybe consequences
+    final: list[str] = []  # pods whose launcher ended with a FINAL_EXITS status
     for pod in pods:
         state, fault, reason = classify_pod(pod, procs_per_node=procs_per_node)
         states.append(state)
+        if _exit_code(pod) in FINAL_EXITS:
+            final.append(reason)
         if fault is not None:
             (deleted if pod.get("metadata", {}).get("deletionTimestamp") else faults).append(fault)
         if reason and state in ("failed", "pending"):
             reasons.append((state, reason))
     # When one pod fails, the Job controller deletes the others (SIGTERM, exit 143): those are
     # consequences, not faults. Without any other fault, the first deleted pod is the cause (a drain).
-    if deleted and not faults:
+    if deleted and not faults and not final:
         faults.append(min(deleted, key=lambda f: f.at or float("inf")))
     reasons.sort(key=lambda r: not any(f.message == r[1] for f in faults))
     done = _condition(workload, "Complete") or _condition(workload, "Completed")
     if done or (len(pods) == nodes and pods and all(s == "succeeded" for s in states)):
         return PollResult(state="succeeded", reason="training finished", faults=faults)
     failed = _condition(workload, "Failed")
+    if final:
+        reason = f"{final[0]}; fix it and start a new job (a restart would fail the same way)"
+        return PollResult(state="failed", reason=reason, faults=faults, retryable=False)
     if failed or "failed" in states:
         seen = {_node_rank(p) for p in pods}
         missing = [i for i in range(nodes) if i not in seen]

@@ -13,21 +13,31 @@ The Service publishes not-ready addresses, so the name resolves as soon as the p
 Names derive from the job id alone (``unbroken-<id>``), so a retried create is a 409 on the same
 object, never a duplicate; the attempt is a label. The Secret and Service carry an owner reference to
 the workload, so deleting the Job deletes its pods, Service and Secret.
+
+The user's own code (``spec.entrypoint``) runs in the user's image under the same launcher: the container
+runs ``[*kubernetes.command,] python -m trainer.launch ... --entrypoint EP -- <shim flags> -- <user args>``,
+with ``spec.env`` as plain env entries and ``spec.working_dir`` as its ``workingDir``. Everything that
+comes from the spec reaches the process literally: the kubelet expands ``$(VAR)`` in command, args and
+env values, so the spec's ``$`` are written as ``$$``; only the launcher's own references expand.
 """
 
 from __future__ import annotations
 
 import base64
+import posixpath
+import re
+import shlex
 from dataclasses import dataclass
 from typing import Any
 
-from controlplane.jobs.spec import JobSpec, KubernetesSpec
+from controlplane.jobs.spec import _SECRET_ENV, JobSpec, KubernetesSpec
 from controlplane.launchers.command import RDZV_PORT, TRAINER_LAUNCH, launch_args
 
 PREFIX = "unbroken"
 CONTAINER = "trainer"
 CHECKPOINT_MOUNT = "/checkpoints"
 TOKEN_DIR = "/var/run/secrets/unbroken"
+USER_SECRETS_DIR = "/var/run/secrets/user"  # kubernetes.secrets: <dir>/<secret name>/<key>
 TOKEN_KEY = "token"
 REPORT_URL_KEY = "report-url"
 JOBSET_API = "jobset.x-k8s.io/v1alpha2"
@@ -135,10 +145,18 @@ def owner_reference(owner: dict[str, Any]) -> dict[str, Any]:
             "controller": True, "blockOwnerDeletion": True}
 
 
+def literal(text: str) -> str:
+    """``text`` as the kubelet passes it on: it expands ``$(VAR)`` in command, args and env values and
+    reads ``$$`` as one ``$``, so doubling every ``$`` leaves nothing to expand."""
+    return text.replace("$", "$$")
+
+
 def container_args(spec: JobSpec, *, job_id: int, attempt: int) -> list[str]:
-    """``trainer.launch`` arguments of every pod; the runtime fills in the node rank and the ingest URL."""
+    """``trainer.launch`` arguments of every pod; the runtime fills in the node rank and the ingest URL.
+
+    The user's entrypoint, working directory and arguments (from the spec) are passed literally."""
     names = names_for(spec, job_id)
-    return launch_args(
+    argv = launch_args(
         spec,
         node_rank="$(JOB_COMPLETION_INDEX)",
         rdzv_endpoint=f"{names.rdzv_host}:{RDZV_PORT}",
@@ -146,7 +164,36 @@ def container_args(spec: JobSpec, *, job_id: int, attempt: int) -> list[str]:
         job_id=job_id,
         attempt=attempt,
         report_url="$(UNBROKEN_REPORT_URL)",
+        working_dir=literal(spec.working_dir),
     )
+    if spec.entrypoint:
+        # launch_args: ... --entrypoint EP [--workdir DIR] -- <shim flags> -- <user args> (the user's last).
+        i = argv.index("--entrypoint") + 1
+        argv[i] = literal(argv[i])
+        if spec.args:
+            argv[-len(spec.args):] = [literal(a) for a in spec.args]
+    return argv
+
+
+def container_command(spec: JobSpec) -> list[str]:
+    """The launcher, under the spec's wrapper when it has one (the wrapper must exec its arguments)."""
+    return [*(literal(c) for c in _k8s(spec).command), *TRAINER_LAUNCH]
+
+
+def _env(spec: JobSpec, ours: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Our env, then the spec's: a spec value replaces one of our plain defaults (NCCL_*, FI_*) in place.
+
+    The spec cannot name the launcher's variables (spec.py refuses them) nor the pod's identity
+    (``POD_ENV``: refused by ``spec_problems``)."""
+    env = [dict(e) for e in ours]
+    index = {e["name"]: i for i, e in enumerate(env) if "value" in e}
+    for name, value in spec.env.items():
+        entry = {"name": name, "value": literal(value)}
+        if name in index:
+            env[index[name]] = entry
+        else:
+            env.append(entry)
+    return env
 
 
 def _ports(key: str) -> list[dict[str, Any]]:
@@ -184,9 +231,9 @@ def pod_template(spec: JobSpec, *, job_id: int, attempt: int) -> dict[str, Any]:
         "name": CONTAINER,
         "image": k8s.image,
         "imagePullPolicy": k8s.image_pull_policy,
-        "command": list(TRAINER_LAUNCH),
+        "command": container_command(spec),
         "args": container_args(spec, job_id=job_id, attempt=attempt),
-        "env": env,
+        "env": _env(spec, env),
         "ports": _ports("containerPort"),
         # Extended resources: requests must equal limits; the scheduler places one pod per node by them.
         "resources": {"limits": dict(accelerators), "requests": dict(accelerators)},
@@ -199,6 +246,11 @@ def pod_template(spec: JobSpec, *, job_id: int, attempt: int) -> dict[str, Any]:
         # On failure the log tail becomes the termination message: the poll shows it with the exit code.
         "terminationMessagePolicy": "FallbackToLogsOnError",
     }
+    if spec.working_dir:
+        container["workingDir"] = spec.working_dir  # not expanded by the kubelet: as written
+    for i, secret in enumerate(k8s.secrets):
+        container["volumeMounts"].append({"name": f"user-secret-{i}", "readOnly": True,
+                                          "mountPath": f"{USER_SECRETS_DIR}/{secret}"})
     tolerations = [dict(t) for t in k8s.tolerations]
     if k8s.gpus_per_node and not any(t.get("key") == "nvidia.com/gpu" for t in tolerations):
         tolerations.append({"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"})
@@ -215,6 +267,8 @@ def pod_template(spec: JobSpec, *, job_id: int, attempt: int) -> dict[str, Any]:
             {"name": "dshm", "hostPath": {"path": "/dev/shm", "type": "Directory"}},
             {"name": "job-token", "secret": {"secretName": names.secret, "defaultMode": 0o440,
                                              "items": [{"key": TOKEN_KEY, "path": TOKEN_KEY}]}},
+            *({"name": f"user-secret-{i}", "secret": {"secretName": secret, "defaultMode": 0o440}}
+              for i, secret in enumerate(k8s.secrets)),
         ],
         "tolerations": tolerations,
         "terminationGracePeriodSeconds": TERMINATION_GRACE_S,
@@ -302,3 +356,80 @@ def render(spec: JobSpec, *, job_id: int, attempt: int, token: str, report_url: 
     objs.append(token_secret(spec, job_id=job_id, attempt=attempt, token=token, report_url=report_url,
                              owner=owner))
     return objs
+
+
+# -- what can be checked without the cluster ------------------------------------------------------------
+
+# Set from the pod itself (fieldRef): the node rank in the launcher's args, and where a fault happened.
+POD_ENV = frozenset({"JOB_COMPLETION_INDEX", "NODE_NAME", "POD_NAME", "POD_IP"})
+_SHELLS = frozenset({"sh", "bash", "dash", "ash", "ksh", "zsh"})
+_EXECS_ARGS = re.compile(r"\bexec\b[^;&|\n]*\$\{?@")  # exec "$@", exec env X=1 "$@", exec tini -- "${@}"
+# NAME=value written out (not NAME=$(cat /var/run/secrets/...), which reads it where it is kept)
+_ASSIGNMENT = re.compile(r"(?<![A-Za-z0-9_])([A-Za-z_][A-Za-z0-9_]*)=(?![\"']?\$)\S")
+_DEFAULT_IMAGE = KubernetesSpec().image
+
+
+def spec_problems(spec: JobSpec) -> list[str]:
+    """What would make this spec's pods fail that needs no cluster to see, as ``field: message``.
+
+    The image's contents cannot be checked from here: whether the entrypoint exists in it is found when
+    the pod starts (the launcher exits 3 and the job fails without a job-level restart)."""
+    k8s = _k8s(spec)
+    problems = [f"kubernetes.command: {p}" for p in _command_problems(k8s.command)]
+    problems += [f"env: {name} is set by the pod (node rank, node and pod names): choose another name"
+                 for name in sorted(POD_ENV & set(spec.env))]
+    if not spec.entrypoint:
+        return problems
+    if k8s.image == _DEFAULT_IMAGE:
+        problems.append(f"kubernetes.image: {_DEFAULT_IMAGE} holds only Unbroken's own trainer: name the image "
+                        "with your code and the unbroken-sdk package (deploy/README.md, \"Your own training "
+                        "image\")")
+    for name in ("entrypoint", "working_dir"):
+        value = getattr(spec, name)
+        if value.startswith("~") or "$" in value:
+            problems.append(f"{name}: no shell expands ~ or $VARIABLES here: write the path as it is inside "
+                            "the image")
+    return problems
+
+
+def _command_problems(command: list[str]) -> list[str]:
+    """A wrapper must run the launcher's argv (appended to it) with exec, so the launcher is PID 1 and
+    receives SIGTERM when the pod is deleted. A shell script file cannot be seen from here."""
+    if not command:
+        return []
+    if any("trainer.launch" in c for c in command):
+        return ["is the wrapper the launcher runs under: the control plane appends python -m trainer.launch "
+                "and its flags itself, leave them out"]
+    problems = [f"{name}=... puts a secret on the command line (stored with the job, shown in the pod spec): "
+                "keep it in a Kubernetes Secret the wrapper or your code reads"
+                for c in command for name in _ASSIGNMENT.findall(c) if _SECRET_ENV.search(name)]
+    i = 0
+    if posixpath.basename(command[0]) == "env":  # env [-i] [NAME=value...] PROGRAM ...
+        i = 1
+        while i < len(command) and (command[i].startswith("-") or "=" in command[i]):
+            i += 1
+    if i >= len(command) or posixpath.basename(command[i]) not in _SHELLS:
+        return problems  # tini, dumb-init, env NAME=value, a profiler...: they run their arguments
+    shell, opts = command[i], command[i + 1:]
+    c = 0  # the option cluster with c (-c, -lc, -ec), after others: -e, -o pipefail, --norc, --rcfile F
+    while c < len(opts) and opts[c].startswith(("-", "+")) and opts[c] != "--":
+        if not opts[c].startswith("--") and "c" in opts[c][1:]:
+            break
+        c += 2 if opts[c] in ("-o", "+o", "-O", "+O", "--rcfile", "--init-file") else 1
+    else:
+        script_file = opts[c + 1:] if c < len(opts) and opts[c] == "--" else opts[c:]
+        if script_file:
+            return problems  # it must exec "$@" too (deploy/README.md), but it cannot be read from here
+        return problems + [f"{shell} without -c or a script runs the launcher's 'python' as a script file: "
+                           f"write [\"{shell}\", \"-c\", \"...; exec \\\"$@\\\"\", \"--\"]"]
+    if c + 1 >= len(opts):
+        return problems + [f"{shell} {opts[c]} needs a script after it"]
+    script, rest = opts[c + 1], opts[c + 2:]
+    if not _EXECS_ARGS.search(script):
+        how = ("runs its arguments without exec: the shell stays PID 1 and the launcher never gets SIGTERM"
+               if "$@" in script or "${@}" in script else "never runs its arguments (the launcher)")
+        problems.append(f"the script {shlex.quote(script)} {how}; end it with exec \"$@\"")
+    if not rest:
+        problems.append(f"add \"--\" after the script: {shell} -c takes the next argument as $0, so 'python' "
+                        "would be dropped from \"$@\"")
+    return problems

@@ -197,9 +197,12 @@ def test_it_reports_only_the_cause_not_the_pods_the_job_controller_then_deleted(
     cluster.run(pods[1], "ip-10-0-0-1")
     cluster.terminate(pods[1], exit_code=137, reason="OOMKilled")
     cluster.fail_job()
-    cluster.emu.hold_deletions = True  # the Job controller deletes node 0's pod; it exits 143
-    cluster.core.delete_namespaced_pod(pods[0], NS)
+    # The Job controller deletes node 0's pod; it exits 143. (The fake drops a terminating pod whose status
+    # is patched, so the exit status is set first: the pod must still be there, terminating, when polled.)
     cluster.terminate(pods[0], exit_code=143)
+    cluster.emu.hold_deletions = True
+    cluster.core.delete_namespaced_pod(pods[0], NS)
+    assert cluster.get("pods", pods[0])["metadata"]["deletionTimestamp"]
     result = launcher.poll(make_job())
     assert result.state == "failed"
     assert [f.fault_class for f in result.faults] == [FaultClass.OOM_KILLED]
