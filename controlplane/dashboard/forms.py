@@ -131,6 +131,9 @@ class JobForm(forms.Form):
         help_text='JSON list, e.g. [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]',
     )
     k8s_use_jobset = forms.BooleanField(required=False, label="Use JobSet (else an Indexed Job)")
+    k8s_secrets = forms.CharField(
+        required=False, widget=forms.Textarea(attrs={"rows": 2}), label="Secrets to mount",
+        help_text="one Kubernetes Secret name per line, mounted read-only at /var/run/secrets/user/<name>/")
     k8s_command = forms.CharField(
         required=False, label="Wrapper command",
         help_text='optional, as on a command line; it must exec its arguments, e.g. '
@@ -155,6 +158,8 @@ class JobForm(forms.Form):
                 v = json.dumps(v) if v else ""
             elif k == "command":
                 v = shlex.join(v)
+            elif k == "secrets":
+                v = "\n".join(v)
             data[K8S_PREFIX + k] = v
         return data
 
@@ -218,6 +223,8 @@ class JobForm(forms.Form):
                         raise SpecError({"kubernetes.tolerations": "must be a JSON list of objects"})
                 elif k == "command":
                     v = _split("kubernetes.command", v or "")
+                elif k == "secrets":
+                    v = [x.strip() for x in (v or "").splitlines() if x.strip()]
                 elif v in (None, ""):
                     continue  # the KubernetesSpec default
                 k8s[k] = v
