@@ -113,14 +113,15 @@ def _clean_loss(script: Path, steps: int) -> float:
     return float(line.split()[1])
 
 
+@pytest.mark.parametrize("example, steps, every", [("fsdp_level2.py", 150, 20), ("llama_level2.py", 60, 10)])
 def test_it_recovers_a_level2_entrypoint_by_every_layer_to_the_clean_runs_loss(e2e_settings, celery_beat_thread,
-                                                                                tmp_path):
-    script = EXAMPLES / "fsdp_level2.py"
-    clean = _clean_loss(script, 150)
-    drills = (Drill(step=30, fault="exception", rank=1), Drill(step=70, fault="sigkill", rank=0),
-              Drill(step=110, fault="nan_loss", rank=0))
-    job = _job(tmp_path, str(script), args=("--steps", "150"), steps=150, in_process=True, step_timeout_s=20.0,
-               checkpoint_interval=20, drills=drills)
+                                                                                tmp_path, example, steps, every):
+    script = EXAMPLES / example
+    clean = _clean_loss(script, steps)
+    drills = (Drill(step=steps // 5, fault="exception", rank=1), Drill(step=steps // 2, fault="sigkill", rank=0),
+              Drill(step=steps * 3 // 4, fault="nan_loss", rank=0))
+    job = _job(tmp_path, str(script), args=("--steps", str(steps)), steps=steps, in_process=True,
+               step_timeout_s=20.0, checkpoint_interval=every, drills=drills)
     try:
         _finish(job)
         assert job.status == JobStatus.SUCCEEDED, (job.status_reason, _log(job))

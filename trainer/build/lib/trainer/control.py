@@ -42,6 +42,9 @@ FAULT_CLASS_OF_DRILL = {
     DrillFault.NAN_LOSS: FaultClass.NAN_LOSS,
 }
 
+# The SDK's loop agrees on commands about this often (a command waits at most this long, plus a step).
+AGREE_EVERY_S = 0.2
+
 # Exit status of a rank that a restart command (level in_job) tells to leave: ft_launcher restarts the group.
 EXIT_RESTART_IN_JOB = 75
 
@@ -163,6 +166,50 @@ class Control:
         self.inbox, self.pg, self.rank, self.world_size = inbox, pg, rank, world_size
         self.in_process, self.in_job, self._ack = in_process, in_job, ack
         self._buf = torch.zeros(4, dtype=torch.int64)
+        self._work: Any = None
+        self._posted: torch.Tensor | None = None
+        self._bufs = (torch.zeros(5, dtype=torch.int64), torch.zeros(5, dtype=torch.int64))
+        self._next = 0
+
+    def agree_overlapped(self, step: int, step_time_s: float | None) -> Decision:
+        """``agree`` for the SDK's loop, off the step's critical path. Ranks post the broadcast only at
+        agreed steps (rank 0 spaces them about ``AGREE_EVERY_S`` apart and sends the next one along),
+        and collect it at the next call, so no rank waits for the slowest one and a fast loop does not
+        pay a collective per step. A command is acted on by every rank at the same step."""
+        decision = NOTHING
+        if self._work is not None:
+            self._work.wait()
+            vec = self._posted.tolist()
+            decision = decode(vec[:4])
+            self._next = int(vec[4])
+            self._work = None
+        if step < self._next:
+            return decision
+        buf = self._bufs[step % 2]
+        buf.zero_()
+        if self.rank == 0:
+            cmd = self.inbox.take() if self.inbox is not None else None
+            if cmd is not None:
+                vec, detail = encode(cmd, in_process=self.in_process, in_job=self.in_job,
+                                     world_size=self.world_size)
+                self._ack(int(cmd["id"]), not detail, detail or "accepted")
+                buf[:4] = torch.tensor(vec, dtype=torch.int64)
+            every = 1 if not step_time_s else max(1, min(50, int(AGREE_EVERY_S / step_time_s)))
+            buf[4] = step + every
+        if self.world_size > 1:
+            self._work = dist.broadcast(buf, src=0, group=self.pg, async_op=True)
+            self._posted = buf
+        else:
+            self._next = int(buf[4])
+            if decision is NOTHING:
+                decision = decode(buf.tolist()[:4])
+        return decision
+
+    def drain(self) -> None:
+        """Collect an outstanding overlapped broadcast (before the group goes away)."""
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
 
     def agree(self) -> Decision:
         if self.rank == 0:

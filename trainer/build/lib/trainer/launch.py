@@ -101,8 +101,6 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str], TrainConfig]:
             trainer_args = [*trainer_args, flag, str(v)]
     cfg = parse_config(trainer_args)
     cfg.check_layers(in_job=ns.in_job, world_size=ns.nnodes * ns.nproc_per_node)
-    if ns.entrypoint is not None and cfg.in_process:
-        raise ValueError("--entrypoint: in-process restart needs the SDK's entrypoint function; pass --no-in-process")
     if ns.workdir is not None and not os.path.isdir(ns.workdir):
         raise ValueError(f"--workdir {ns.workdir}: no such directory")
     nvrx_compat.check_supported(in_process=cfg.in_process, in_job=ns.in_job, ft_mode=cfg.ft_mode)

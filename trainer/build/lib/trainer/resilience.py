@@ -98,6 +98,57 @@ class FtClient:
                 self._client.shutdown_workload_monitoring()
 
 
+class PacedFt:
+    """ft_launcher heartbeats sent from a thread, for the SDK: the loop only marks progress (O(1), no
+    IPC round trip to the rank monitor on the step), and the thread sends a heartbeat every
+    ``period_s`` when there was progress since the last one, or while ``keep_alive`` holds the rank
+    alive through a slow phase. A hung loop marks nothing, so the heartbeats stop as they would if the
+    loop sent them itself (detection is at most ``period_s`` later)."""
+
+    def __init__(self, client: FtClient, period_s: float = 0.5):
+        self._client, self.period_s = client, period_s
+        self._lock = threading.Lock()
+        self._progress = 0
+        self._sent = 0
+        self._alive_until = 0.0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        with self._lock:
+            self._client.start()
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="unbroken-ft", daemon=True)
+            self._thread.start()
+
+    def heartbeat(self) -> None:
+        self._progress += 1
+
+    def keep_alive(self, until: float) -> None:
+        """Keep sending until ``until`` (monotonic seconds) whether or not the loop progresses."""
+        self._alive_until = until
+
+    def section(self, name: str) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def stop(self) -> None:
+        self._stop.set()
+        with self._lock:
+            self._client.stop()
+
+    def _run(self) -> None:
+        import time
+
+        while not self._stop.wait(self.period_s):
+            progress = self._progress
+            if progress == self._sent and time.monotonic() >= self._alive_until:
+                continue
+            self._sent = progress
+            with self._lock:
+                with contextlib.suppress(Exception):
+                    self._client.heartbeat()
+
+
 def make_ft(env: RankEnv, mode: str) -> Any:
     return FtClient(mode) if env.in_job else NullFt()
 

@@ -115,6 +115,21 @@ class _LineTee(io.TextIOBase):
     def writable(self) -> bool:
         return True
 
+    # io.TextIOBase defines these (raising or returning None), so __getattr__ would never see them.
+    def fileno(self) -> int:
+        return self._inner.fileno()
+
+    def isatty(self) -> bool:
+        return self._inner.isatty()
+
+    @property
+    def encoding(self) -> str:  # type: ignore[override]
+        return self._inner.encoding
+
+    @property
+    def errors(self) -> str | None:  # type: ignore[override]
+        return self._inner.errors
+
     def __getattr__(self, name: str) -> Any:  # fileno, isatty, encoding, buffer, ...
         return getattr(self._inner, name)
 
@@ -375,17 +390,17 @@ class UserRun:
 
     # -- Level 1 ----------------------------------------------------------------------------------------
 
-    def upgrade(self) -> None:
-        """``unbroken.init()`` was called: the loop reports from now on."""
-        if self.level >= 1:
+    def upgrade(self, level: int = 1) -> None:
+        """``unbroken.init()`` (1) or ``unbroken.run()`` (2) was called: the loop reports from now on."""
+        if self.level >= level:
             return
-        self.level = 1
+        had_ft, self.level = self.level >= 1, level
         self._integration()
-        if self.env.in_job:
-            from trainer.resilience import FtClient
+        if self.env.in_job and not had_ft:
+            from trainer.resilience import FtClient, PacedFt
 
             try:
-                self.ft = FtClient("heartbeats")
+                self.ft = PacedFt(FtClient("heartbeats"))
                 self.ft.start()
             except Exception:
                 log.warning("ft_launcher heartbeats unavailable", exc_info=True)
@@ -393,32 +408,31 @@ class UserRun:
 
     def ft_heartbeat(self) -> None:
         if self.ft is not None:
-            with contextlib.suppress(Exception):
-                self.ft.heartbeat()
+            self.ft.heartbeat()
 
     @contextlib.contextmanager
-    def in_phase(self, phase: Phase, *, slow: bool) -> Iterator[None]:
-        """Report ``phase``; a slow one keeps ft_launcher fed from a thread, up to the checkpoint timeout."""
-        prev = self.phase
-        self.phase = phase
-        self.reporter.heartbeat(step=self.step_no, phase=phase, loss=self.loss)
-        done = threading.Event()
-        keeper = None
-        if slow and self.ft is not None:
-            limit = time.monotonic() + self.cfg.ckpt_timeout
-
-            def keep_alive() -> None:
-                while not done.wait(1.0) and time.monotonic() < limit:
-                    self.ft_heartbeat()
-
-            keeper = threading.Thread(target=keep_alive, name="unbroken-phase", daemon=True)
-            keeper.start()
+    def keep_alive(self) -> Iterator[None]:
+        """ft_launcher keeps hearing from this rank, without steps, up to the checkpoint timeout."""
+        if self.ft is None:
+            yield
+            return
+        self.ft.keep_alive(time.monotonic() + self.cfg.ckpt_timeout)
         try:
             yield
         finally:
-            done.set()
-            if keeper is not None:
-                keeper.join(2.0)
+            self.ft.keep_alive(0.0)
+            self.ft.heartbeat()
+
+    @contextlib.contextmanager
+    def in_phase(self, phase: Phase, *, slow: bool) -> Iterator[None]:
+        """Report ``phase``; a slow one keeps ft_launcher fed, up to the checkpoint timeout."""
+        prev = self.phase
+        self.phase = phase
+        self.reporter.heartbeat(step=self.step_no, phase=phase, loss=self.loss)
+        try:
+            with self.keep_alive() if slow else contextlib.nullcontext():
+                yield
+        finally:
             self.phase = prev if prev != Phase.INIT else Phase.TRAIN
             self.ft_heartbeat()
             self.reporter.heartbeat(step=self.step_no, phase=self.phase, loss=self.loss)

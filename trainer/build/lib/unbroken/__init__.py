@@ -14,8 +14,28 @@ Level 1 (a few lines in your own loop)::
         if run.should_stop():                  # an operator pressed Stop (rank-local, never a collective)
             break
 
+Level 2 (your training function is what restarts re-enter; one resume path for every restart layer)::
+
+    @unbroken.entrypoint
+    def train(ctx: unbroken.Context):
+        ctx.init_process_group()                       # per attempt, never before the entrypoint
+        model, optimizer = build(ctx.device)           # e.g. fully_shard(...) + AdamW
+        start = ctx.checkpoint.restore(model=model, optim=optimizer)   # the step to resume from
+        for step in range(start, num_steps):
+            loss = forward_backward(model, step)
+            ctx.checkpoint.wait_for_staging()          # an async save's copy ends before the update
+            optimizer.step(); optimizer.zero_grad()
+            ctx.step(step + 1, loss=loss.item())
+            ctx.checkpoint.maybe_save(step + 1)        # async DCP at the job's interval
+            if ctx.should_stop():
+                break
+
+    if __name__ == "__main__":
+        train()
+
 Every call is a no-op when the product did not start the process, so the same script runs under plain
-``torchrun`` or ``python``. No call raises into your loop, except a fault drill you asked for.
+``torchrun`` or ``python`` (Level 2 then only creates the process group). No call raises into your loop,
+except a fault drill you asked for.
 Without any of these calls (Level 0), the product still supervises the script: see the README,
 "Bring your own training script".
 """
@@ -25,10 +45,15 @@ from __future__ import annotations
 import contextlib
 import os
 
+import functools
+from collections.abc import Callable
+from typing import Any
+
 from trainer import usercode as _usercode
+from trainer.fullrun import Context
 from trainer.wire import Phase as _Phase
 
-__all__ = ["PHASES", "Run", "checkpoint_dir", "init", "restart_count"]
+__all__ = ["PHASES", "Context", "Run", "checkpoint_dir", "entrypoint", "init", "restart_count", "run"]
 
 #: The phases ``Run.phase`` takes. ``checkpoint_save``, ``checkpoint_load`` and ``eval`` are slow: the
 #: job's checkpoint timeout applies while in them. ``checkpoint`` is short for ``checkpoint_save``.
@@ -130,3 +155,34 @@ def checkpoint_dir() -> str | None:
     outside the product. Resume from the newest complete checkpoint you find there."""
     return os.environ.get(_usercode.ENV_CHECKPOINT_DIR) or None
 
+
+def run(fn: Callable[[Context], Any]) -> Any:
+    """Run ``fn(ctx)`` as the unit the product's restart layers re-enter (Level 2); see ``entrypoint``.
+
+    Rules for ``fn``: create the process group with ``ctx.init_process_group()`` inside it (never
+    before: that is refused); build the model, optimizer and data inside it, or make what lives across
+    attempts independent of the process group; get all state back from ``ctx.checkpoint.restore``;
+    let exceptions propagate (a bare ``except:`` or ``except BaseException`` blocks the restart, and
+    ``sys.exit(n)`` ends the job); call ``ctx.step`` on every rank every step.
+    """
+    return _fullrun_run(fn, _usercode.current())
+
+
+def entrypoint(fn: Callable[[Context], Any]) -> Callable[[], Any]:
+    """Decorate your training function ``fn(ctx)``; calling it with no arguments runs it through
+    ``unbroken.run`` (see the module docstring's Level-2 example). A job spec can name it directly:
+    ``"entrypoint": "pkg.train:train"``.
+    """
+
+    @functools.wraps(fn)
+    def start() -> Any:
+        return run(fn)
+
+    start.__unbroken_entrypoint__ = True  # type: ignore[attr-defined]
+    return start
+
+
+def _fullrun_run(fn: Callable[[Context], Any], impl: Any) -> Any:
+    from trainer.fullrun import run as _run
+
+    return _run(fn, impl)
