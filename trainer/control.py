@@ -169,23 +169,27 @@ class Control:
         self._work: Any = None
         self._posted: torch.Tensor | None = None
         self._bufs = (torch.zeros(5, dtype=torch.int64), torch.zeros(5, dtype=torch.int64))
-        self._next = 0
+        self._round = 0
+        self._due = 0
+        self._every: int | None = None
 
     def agree_overlapped(self, step: int, step_time_s: float | None) -> Decision:
-        """``agree`` for the SDK's loop, off the step's critical path. Ranks post the broadcast only at
-        agreed steps (rank 0 spaces them about ``AGREE_EVERY_S`` apart and sends the next one along),
-        and collect it at the next call, so no rank waits for the slowest one and a fast loop does not
-        pay a collective per step. A command is acted on by every rank at the same step."""
+        """``agree`` for the SDK's loop, off the step's critical path. A round is posted at step P and
+        collected (and acted on, by every rank) at step P + k, so a rank waits only when a peer is more
+        than k steps behind. k is fixed per attempt by rank 0 in the first round: about
+        ``AGREE_EVERY_S`` of steps (a command waits at most about twice that)."""
         decision = NOTHING
+        if step < self._due:
+            return decision
         if self._work is not None:
             self._work.wait()
+            self._work = None
             vec = self._posted.tolist()
             decision = decode(vec[:4])
-            self._next = int(vec[4])
-            self._work = None
-        if step < self._next:
-            return decision
-        buf = self._bufs[step % 2]
+            if self._every is None:
+                self._every = int(vec[4])
+        buf = self._bufs[self._round % 2]
+        self._round += 1
         buf.zero_()
         if self.rank == 0:
             cmd = self.inbox.take() if self.inbox is not None else None
@@ -194,15 +198,17 @@ class Control:
                                      world_size=self.world_size)
                 self._ack(int(cmd["id"]), not detail, detail or "accepted")
                 buf[:4] = torch.tensor(vec, dtype=torch.int64)
-            every = 1 if not step_time_s else max(1, min(50, int(AGREE_EVERY_S / step_time_s)))
-            buf[4] = step + every
+            buf[4] = 1 if not step_time_s else max(1, min(50, int(AGREE_EVERY_S / step_time_s)))
         if self.world_size > 1:
             self._work = dist.broadcast(buf, src=0, group=self.pg, async_op=True)
             self._posted = buf
+            self._due = step + (self._every or 1)
         else:
-            self._next = int(buf[4])
+            if self._every is None:
+                self._every = int(buf[4])
             if decision is NOTHING:
                 decision = decode(buf.tolist()[:4])
+            self._due = step + self._every
         return decision
 
     def drain(self) -> None:

@@ -192,9 +192,11 @@ class UserRun:
 
     def finish(self) -> None:
         self._closed.set()
-        if self.level == 0:  # the last printed step, shared or read without the 0.5 s pacing
+        if self.level == 0 and self.progress_seen:  # the last printed step, without the 0.5 s pacing
             self._shared_at = 0.0
-            self._share(self.step_no, self.loss) if self.progress_seen else self._shared_progress()
+            self._share(self.step_no, self.loss)
+        elif self.level == 0:
+            self._shared_progress()
         self.reporter.heartbeat(step=self.step_no, phase=Phase.STOPPED, loss=self.loss)
         self.reporter.event(EventKind.RANK_FINISHED, {"step": self.step_no, "loss": self.loss})
         if self.ft is not None:

@@ -11,7 +11,9 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
+from torch.distributed.checkpoint.state_dict import get_state_dict
 
 import unbroken
 
@@ -27,6 +29,7 @@ def args() -> argparse.Namespace:
     p.add_argument("--d", type=int, default=256)
     p.add_argument("--out", required=True)
     p.add_argument("--plain", action="store_true")
+    p.add_argument("--ckpt-every", type=int, default=20, help="plain mode: sync DCP saves this often")
     return p.parse_args()
 
 
@@ -51,6 +54,10 @@ def loop(a, rank, model, opt, start, sdk) -> None:
             did_save = sdk.checkpoint.maybe_save(step + 1)
         else:
             loss.item()  # the same host sync the SDK call implies
+            if (step + 1) % a.ckpt_every == 0:  # the plain script checkpoints itself (sync DCP)
+                msd, osd = get_state_dict(model, opt)
+                dcp.save({"model": msd, "optim": osd}, checkpoint_id=os.path.join(a.out, f"ckpt_{step + 1}"))
+                did_save = True
         spent += time.perf_counter() - t_sdk
         now = time.perf_counter()
         step_s.append(now - t_prev)
@@ -58,7 +65,7 @@ def loop(a, rank, model, opt, start, sdk) -> None:
         saved.append(did_save)
         t_prev = now
     Path(a.out).mkdir(parents=True, exist_ok=True)
-    (Path(a.out) / f"rank{rank}.json").write_text(json.dumps({"step_s": step_s, "sdk_s": sdk_s, "saved": saved,
+    (Path(a.out) / f"rank{rank}.json").write_text(json.dumps({"step_s": step_s, "sdk_s": sdk_s, "saved": saved, "async": sdk is not None,
                                                                "threads": torch.get_num_threads()}))
 
 
@@ -87,6 +94,10 @@ def plain() -> None:
 
 if __name__ == "__main__":
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if os.environ.get("BENCH_SWITCH"):
+        import sys
+
+        sys.setswitchinterval(float(os.environ["BENCH_SWITCH"]))
     if "--plain" in os.sys.argv:
         plain()
     else:
