@@ -115,8 +115,8 @@ def rank_program(ns: argparse.Namespace, trainer_args: list[str]) -> list[str]:
 
 
 def check_entrypoint(entrypoint: str) -> str:
-    """Why the user's code cannot start (missing script, syntax error, unknown package), with the
-    traceback; "" when it may. Runs before any rank starts; nothing of the user's code executes."""
+    """Why the user's code cannot start (missing script, syntax error with its line, unknown top-level
+    package); "" when it may. Runs before any rank starts; nothing of the user's code executes."""
     import importlib.util
     import traceback
 

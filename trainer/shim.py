@@ -21,6 +21,7 @@ import logging
 import os
 import runpy
 import sys
+import traceback
 import warnings
 
 from trainer.config import parse_config
@@ -108,8 +109,6 @@ def main(argv: list[str] | None = None) -> int:
         cause = e.__cause__ if isinstance(e, _CannotStart) and e.__cause__ is not None else e
         run.fail(cause, cannot_start=isinstance(e, _CannotStart))
         _record_error_file(cause)
-        import traceback
-
         traceback.print_exception(cause)
         return 1
     finally:

@@ -51,6 +51,7 @@ from typing import Any
 
 from trainer import usercode as _usercode
 from trainer.fullrun import Context
+from trainer.fullrun import run as _run_full
 from trainer.wire import Phase as _Phase
 
 __all__ = ["PHASES", "Context", "Run", "checkpoint_dir", "entrypoint", "init", "restart_count", "run"]
@@ -165,7 +166,7 @@ def run(fn: Callable[[Context], Any]) -> Any:
     let exceptions propagate (a bare ``except:`` or ``except BaseException`` blocks the restart, and
     ``sys.exit(n)`` ends the job); call ``ctx.step`` on every rank every step.
     """
-    return _fullrun_run(fn, _usercode.current())
+    return _run_full(fn, _usercode.current())
 
 
 def entrypoint(fn: Callable[[Context], Any]) -> Callable[[], Any]:
@@ -180,9 +181,3 @@ def entrypoint(fn: Callable[[Context], Any]) -> Callable[[], Any]:
 
     start.__unbroken_entrypoint__ = True  # type: ignore[attr-defined]
     return start
-
-
-def _fullrun_run(fn: Callable[[Context], Any], impl: Any) -> Any:
-    from trainer.fullrun import run as _run
-
-    return _run(fn, impl)
