@@ -450,6 +450,19 @@ def _state(raw: bytes, world_size: int | None = None, window: wire.Window | None
     return RankState(h.rank, h.at, h.step, h.at, h.phase, h.loss, h.step_time_s, h.tokens_per_s, h.node, h.pid)
 
 
+def _state_unchecked(raw: bytes) -> RankState:
+    """A stored state as written by this server's ingest (already within the wire bounds)."""
+    return RankState.of(orjson.loads(raw[raw.find(b"|") + 1:]))
+
+
+def _why_unstorable(raw: bytes, world_size: int | None, window: wire.Window) -> str:
+    try:
+        _state(raw, world_size, window)
+    except ValueError as e:
+        return str(e)
+    return "state: not a heartbeat state"
+
+
 def _printable(raw: bytes | str, limit: int) -> str:
     """Text a Postgres text column can hold (NULs escaped), truncated."""
     text = raw.decode("utf-8", "backslashreplace") if isinstance(raw, bytes) else raw
@@ -611,9 +624,11 @@ class RedisHeartbeatStore:
             raws: dict[int, tuple[bytes, bytes]] = {}
             for field, raw in part.items():
                 try:
-                    st = _state(raw, world_size, window)
-                except ValueError as e:
-                    self.quarantine(job_id, field, raw, str(e), now=now)
+                    # Ingest bounded every value already: the full wire check runs only when a slice
+                    # fails (it cost the ingest p99 ~2x at 50k beats/s when it ran on every state).
+                    st = _state_unchecked(raw)
+                except (ValueError, KeyError, TypeError):
+                    self.quarantine(job_id, field, raw, _why_unstorable(raw, world_size, window), now=now)
                     continue
                 _keep_newest(states, st)
                 if states[st.rank] is st:
@@ -621,14 +636,18 @@ class RedisHeartbeatStore:
             try:
                 with transaction.atomic():
                     n += upsert_ranks(job_id, states.values(), timeouts, now=now)
-            except Exception as e:  # noqa: BLE001 - find the rows the database refuses, write the others
-                log.warning("heartbeat flush: job %s: a slice failed (%s); writing its ranks one by one", job_id, e)
+            except Exception as e:  # noqa: BLE001 - find the rows that cannot be written, write the others
+                log.warning("heartbeat flush: job %s: a slice failed (%s); checking its ranks one by one", job_id, e)
                 for st in list(states.values()):
+                    field, raw = raws[st.rank]
                     try:
+                        st = _state(raw, world_size, window)
                         with transaction.atomic():
                             n += upsert_ranks(job_id, [st], timeouts, now=now)
+                    except ValueError as e1:  # the wire bounds name the field
+                        self.quarantine(job_id, field, raw, str(e1), now=now)
+                        del states[st.rank]
                     except Exception as e1:  # noqa: BLE001
-                        field, raw = raws[st.rank]
                         self.quarantine(job_id, field, raw, f"the database refused it: {e1}", now=now)
                         del states[st.rank]
             for st in states.values():
