@@ -192,11 +192,11 @@ class UserRun:
 
     def finish(self) -> None:
         self._closed.set()
-        if self.level == 0 and self.progress_seen:  # the last printed step, without the 0.5 s pacing
-            self._shared_at = 0.0
-            self._share(self.step_no, self.loss)
-        elif self.level == 0:
+        if self.level == 0:  # share the last printed step (unpaced) unless a newer one is there; take it
             self._shared_progress()
+            if self.progress_seen:
+                self._shared_at = 0.0
+                self._share(self.step_no, self.loss)
         self.reporter.heartbeat(step=self.step_no, phase=Phase.STOPPED, loss=self.loss)
         self.reporter.event(EventKind.RANK_FINISHED, {"step": self.step_no, "loss": self.loss})
         if self.ft is not None:
@@ -296,7 +296,8 @@ class UserRun:
             self.app_store.set(self._progress_key(), json.dumps([step, loss]))
 
     def _shared_progress(self) -> None:
-        if self.progress_seen or self.app_store is None:
+        """Take a newer step from the store (a rank's own lines may stop early: "resumed from step N")."""
+        if self.app_store is None:
             return
         try:
             if not self.app_store.check([self._progress_key()]):
