@@ -39,3 +39,25 @@ def shot():
         page.screenshot(path=str(ARTIFACTS / f"{name}.png"), full_page=True)
 
     return _shot
+
+
+@pytest.fixture
+def operator_page(live_server, browser):
+    """A page signed in as an operator (a real account, the real login form); ``page.errors`` collects
+    the page's JavaScript errors."""
+    from django.contrib.auth.models import Group, User
+
+    from controlplane.jobs.roles import OPERATORS_GROUP
+
+    password = "operator-page-password"
+    user = User.objects.create_user("operator", password=password)
+    user.groups.add(Group.objects.get_or_create(name=OPERATORS_GROUP)[0])
+    page = browser.new_page(viewport={"width": 1280, "height": 900})
+    page.errors = []
+    page.on("pageerror", lambda e: page.errors.append(str(e)))
+    page.goto(f"{live_server.url}/login/")
+    page.fill("#id_username", "operator")
+    page.fill("#id_password", password)
+    page.click("button[type=submit]")
+    page.wait_for_url(f"{live_server.url}/")
+    return page

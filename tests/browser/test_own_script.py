@@ -8,39 +8,27 @@ import shutil
 from pathlib import Path
 
 import pytest
-from django.contrib.auth.models import Group, User
 
 from controlplane.jobs.models import Job, RestartCycle
-from controlplane.jobs.roles import OPERATORS_GROUP
 from controlplane.launchers.local import LocalLauncher
 from tests.helpers import wait_for
 from trainer.wire import Layer
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 
-PASSWORD = "own-script-password"
 EXAMPLE = Path(__file__).resolve().parents[2] / "trainer" / "examples" / "plain_fsdp.py"
 
 
-def test_it_runs_ones_own_script_from_the_form(e2e_settings, celery_beat_thread, live_server, browser, shot,
+def test_it_runs_ones_own_script_from_the_form(e2e_settings, celery_beat_thread, live_server, operator_page, shot,
                                                tmp_path):
     project = tmp_path / "my-project"
     project.mkdir()
     shutil.copy(EXAMPLE, project / "train.py")  # "my" script: nothing of Unbroken in it
-    user = User.objects.create_user("operator", password=PASSWORD)
-    user.groups.add(Group.objects.get_or_create(name=OPERATORS_GROUP)[0])
     base = live_server.url
-    page = browser.new_page(viewport={"width": 1280, "height": 900})
-    errors: list[str] = []
-    page.on("pageerror", lambda e: errors.append(str(e)))
+    page = operator_page
+    errors = page.errors
     job = None
     try:
-        page.goto(f"{base}/login/")
-        page.fill("#id_username", "operator")
-        page.fill("#id_password", PASSWORD)
-        page.click("button[type=submit]")
-        page.wait_for_url(f"{base}/")
-
         page.goto(f"{base}/jobs/new/?preset=own-script")
         page.fill("#id_name", "my script")
         page.fill("#id_entrypoint", "missing.py")

@@ -8,35 +8,22 @@ from __future__ import annotations
 import time
 
 import pytest
-from django.contrib.auth.models import Group, User
 
 from controlplane.jobs.models import Command, Job, RestartCycle
-from controlplane.jobs.roles import OPERATORS_GROUP
 from controlplane.launchers.local import LocalLauncher
 from tests.helpers import wait_for
 from trainer.wire import Layer
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 
-PASSWORD = "demo-operator-password"
-
 
 def test_it_runs_the_demo_job_and_a_manual_restart_live(e2e_settings, celery_beat_thread, live_server,
-                                                        browser, shot):
-    user = User.objects.create_user("operator", password=PASSWORD)
-    user.groups.add(Group.objects.get_or_create(name=OPERATORS_GROUP)[0])
+                                                        operator_page, shot):
     base = live_server.url
-    page = browser.new_page(viewport={"width": 1280, "height": 900})
-    errors: list[str] = []
-    page.on("pageerror", lambda e: errors.append(str(e)))
+    page = operator_page
+    errors = page.errors
     job = None
     try:
-        page.goto(f"{base}/login/")
-        page.fill("#id_username", "operator")
-        page.fill("#id_password", PASSWORD)
-        page.click("button[type=submit]")
-        page.wait_for_url(f"{base}/")
-
         page.goto(f"{base}/jobs/new/?preset=demo")
         page.click("form.jobform button[type=submit]")
         dialog = page.locator("dialog.confirm-dialog")

@@ -103,9 +103,12 @@ def test_the_level1_example_is_the_plain_script_plus_a_few_lines():
 
 def test_the_sdk_installs_as_its_own_distribution(tmp_path):
     """``pip install ./trainer`` gives ``import unbroken`` without the control plane (no Django)."""
-    target = tmp_path / "site"
+    import shutil
+
+    src, target = tmp_path / "src", tmp_path / "site"  # a copy: an in-tree build would leave build/ behind
+    shutil.copytree(ROOT / "trainer", src, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
     r = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
-                        "--target", str(target), str(ROOT / "trainer")], capture_output=True, text=True)
+                        "--target", str(target), str(src)], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-2000:]
     assert (target / "unbroken" / "__init__.py").exists() and (target / "trainer" / "shim.py").exists()
     assert not (target / "controlplane").exists()
