@@ -24,7 +24,8 @@ _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 # reach the job only through its token file / Kubernetes Secret, never as a plain spec value.
 _RESERVED_ENV = re.compile(r"^(UNBROKEN_|TORCHELASTIC_|RANK$|LOCAL_RANK$|WORLD_SIZE$|LOCAL_WORLD_SIZE$|GROUP_RANK$|"
                            r"MASTER_ADDR$|MASTER_PORT$|PYTHONPATH$)")
-_SECRET_ENV = re.compile(r"(TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL|PRIVATE_KEY|API_KEY|ACCESS_KEY)", re.I)
+# What "looks like a secret" in a name: refused in spec.env, and in a Kubernetes wrapper command (manifests).
+SECRET_ENV = re.compile(r"(TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL|PRIVATE_KEY|API_KEY|ACCESS_KEY)", re.I)
 DRILLS_FOR_USER_CODE = ("exception", "hang", "sigkill")
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 _DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
@@ -197,7 +198,7 @@ class JobSpec:
         bad = [k for k, v in self.env.items() if type(k) is not str or not _ENV_NAME.match(k) or type(v) is not str
                or "\x00" in v]
         reserved = [k for k in self.env if type(k) is str and _RESERVED_ENV.match(k)]
-        secret = [k for k in self.env if type(k) is str and _SECRET_ENV.search(k)]
+        secret = [k for k in self.env if type(k) is str and SECRET_ENV.search(k)]
         if bad:
             errors["env"] = f"names must be like MY_VAR and values strings: {', '.join(map(str, bad[:3]))}"
         elif reserved:

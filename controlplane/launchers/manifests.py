@@ -30,7 +30,7 @@ import shlex
 from dataclasses import dataclass
 from typing import Any
 
-from controlplane.jobs.spec import _SECRET_ENV, JobSpec, KubernetesSpec
+from controlplane.jobs.spec import SECRET_ENV, JobSpec, KubernetesSpec
 from controlplane.launchers.command import RDZV_PORT, TRAINER_LAUNCH, launch_args
 
 PREFIX = "unbroken"
@@ -402,7 +402,7 @@ def _command_problems(command: list[str]) -> list[str]:
                 "and its flags itself, leave them out"]
     problems = [f"{name}=... puts a secret on the command line (stored with the job, shown in the pod spec): "
                 "keep it in a Kubernetes Secret the wrapper or your code reads"
-                for c in command for name in _ASSIGNMENT.findall(c) if _SECRET_ENV.search(name)]
+                for c in command for name in _ASSIGNMENT.findall(c) if SECRET_ENV.search(name)]
     i = 0
     if posixpath.basename(command[0]) == "env":  # env [-i] [NAME=value...] PROGRAM ...
         i = 1
