@@ -24,7 +24,7 @@ _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 # reach the job only through its token file / Kubernetes Secret, never as a plain spec value.
 _RESERVED_ENV = re.compile(r"^(UNBROKEN_|TORCHELASTIC_|RANK$|LOCAL_RANK$|WORLD_SIZE$|LOCAL_WORLD_SIZE$|GROUP_RANK$|"
                            r"MASTER_ADDR$|MASTER_PORT$|PYTHONPATH$)")
-# What "looks like a secret" in a name: refused in spec.env, and in a Kubernetes wrapper command (manifests).
+# What "looks like a secret" in a name: refused in spec.env and in a Kubernetes wrapper (manifests).
 SECRET_ENV = re.compile(r"(TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL|PRIVATE_KEY|API_KEY|ACCESS_KEY)", re.I)
 DRILLS_FOR_USER_CODE = ("exception", "hang", "sigkill")
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
