@@ -77,6 +77,11 @@ class Phase(StrEnum):
     STOPPED = "stopped"
 
 
+# Phases in which a rank may rightly go quiet for long: the job's checkpoint timeout applies, not the
+# step timeout (the control plane's deadlines, the SDK's ft_launcher keep-alive).
+SLOW_PHASES = frozenset({Phase.CHECKPOINT_SAVE, Phase.CHECKPOINT_LOAD, Phase.EVAL, Phase.INIT, Phase.RESTARTING})
+
+
 class FaultClass(StrEnum):
     EXCEPTION = "exception"
     HANG = "hang"

@@ -26,8 +26,8 @@ Accepted trade-offs (Redis store):
 Both stores write rows with the same upsert (``upsert_ranks``), which only ever moves a rank forward
 in time: a heartbeat older than the stored one changes nothing.
 
-Isolation: the flush reads every state back through the wire module's bounds (``wire.parse_heartbeat``)
-and writes per job, falling back to one rank at a time when a slice fails. A state that cannot be
+Isolation: the flush writes per job and, when a slice fails, one rank at a time, each state checked
+against the wire module's bounds (``wire.parse_heartbeat``) to name what is wrong. A state that cannot be
 written (left in Redis by an older server that accepted unbounded values, or refused by the database)
 is quarantined: logged, removed from Redis (only if unchanged), and kept as a ``QuarantinedHeartbeat``
 row that ``/metrics`` counts and the job page shows. A job whose flush still fails is logged and stays
@@ -54,8 +54,7 @@ log = logging.getLogger(__name__)
 
 _STOPPED = Phase.STOPPED.value
 _TRAIN = Phase.TRAIN.value
-_SLOW_PHASES = frozenset(p.value for p in (Phase.CHECKPOINT_SAVE, Phase.CHECKPOINT_LOAD, Phase.INIT, Phase.EVAL,
-                                            Phase.RESTARTING))
+_SLOW_PHASES = frozenset(p.value for p in wire.SLOW_PHASES)
 _SLOW_OR_STOPPED = _SLOW_PHASES | {_STOPPED}
 
 
@@ -78,7 +77,8 @@ class Timeouts:
                    stall_s=float(spec.get("stall_timeout_s", 120.0)))
 
     def deadline(self, phase: str, at: float) -> float | None:
-        """Same rule as ``models.deadline_for``, in unix seconds; a stopped rank has no deadline."""
+        """A rank's deadline in unix seconds: ``wire.SLOW_PHASES`` get the checkpoint timeout; a stopped
+        rank has none."""
         if phase == _STOPPED:
             return None
         return at + (self.checkpoint_s if phase in _SLOW_PHASES else self.step_s)

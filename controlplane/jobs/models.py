@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import secrets
-from datetime import datetime, timedelta
+from datetime import datetime
 
 from django.conf import settings
 from django.db import models
@@ -171,15 +171,6 @@ class Rank(models.Model):
 
     def heartbeat_age_s(self, now: datetime) -> float | None:
         return (now - self.last_heartbeat_at).total_seconds() if self.last_heartbeat_at else None
-
-
-def deadline_for(phase: str, at: datetime, spec: dict) -> datetime:
-    """Phase-aware heartbeat deadline: checkpoint phases get the checkpoint timeout."""
-    if phase in (Phase.CHECKPOINT_SAVE, Phase.CHECKPOINT_LOAD, Phase.INIT, Phase.EVAL, Phase.RESTARTING):
-        timeout = float(spec.get("checkpoint_timeout_s", 300.0))
-    else:
-        timeout = float(spec.get("step_timeout_s", 30.0))
-    return at + timedelta(seconds=timeout)
 
 
 class TrainingSample(models.Model):

@@ -52,6 +52,7 @@ from typing import Any
 from trainer import usercode as _usercode
 from trainer.fullrun import Context
 from trainer.fullrun import run as _run_full
+from trainer.wire import SLOW_PHASES as _SLOW
 from trainer.wire import Phase as _Phase
 
 __all__ = ["PHASES", "Context", "Run", "checkpoint_dir", "entrypoint", "init", "restart_count", "run"]
@@ -59,7 +60,6 @@ __all__ = ["PHASES", "Context", "Run", "checkpoint_dir", "entrypoint", "init", "
 #: The phases ``Run.phase`` takes. ``checkpoint_save``, ``checkpoint_load`` and ``eval`` are slow: the
 #: job's checkpoint timeout applies while in them. ``checkpoint`` is short for ``checkpoint_save``.
 PHASES = ("checkpoint_save", "checkpoint_load", "eval", "data", "checkpoint")
-_SLOW = frozenset({_Phase.CHECKPOINT_SAVE, _Phase.CHECKPOINT_LOAD, _Phase.EVAL})
 
 
 class Run:
