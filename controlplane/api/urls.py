@@ -6,5 +6,11 @@ app_name = "api"
 urlpatterns = [
     path("jobs", views.jobs, name="jobs"),
     path("jobs/<int:job_id>", views.job_detail, name="job"),
+    path("jobs/<int:job_id>/goodput", views.job_goodput, name="goodput"),
+    path("jobs/<int:job_id>/ranks", views.job_ranks, name="ranks"),
+    path("jobs/<int:job_id>/faults", views.job_faults, name="faults"),
+    path("jobs/<int:job_id>/cycles", views.job_cycles, name="cycles"),
+    path("jobs/<int:job_id>/checkpoints", views.job_checkpoints, name="checkpoints"),
     path("jobs/<int:job_id>/commands", views.job_commands, name="commands"),
+    path("operator/openapi.json", views.openapi, name="openapi"),
 ]
