@@ -50,13 +50,16 @@ def job_detail(job: m.Job, now: datetime) -> schema.JobDetail:
     ranks: dict[str, int] = {}
     for f in figures.rank_figures(job, figures.world(job, m.Rank.objects.filter(job=job)), now):
         ranks[f.health] = ranks.get(f.health, 0) + 1
-    commands = dict(m.Command.objects.filter(job=job).values_list("status").annotate(n=Count("id")).order_by())
+    commands = dict(
+        m.Command.objects.filter(job=job).values_list("status").annotate(n=Count("id")).order_by()
+    )
+    states = m.Checkpoint.objects.filter(job=job).values_list("state", flat=True)
     summary = schema.Summary(
         goodput=goodput(job, now),
         restarts={layer.value: 0 for layer in Layer if layer != Layer.NONE}
         | figures.restarts_by_layer([job.pk]).get(job.pk, {}),
         faults=m.Fault.objects.filter(job=job).count(),
-        checkpoints=figures.checkpoint_counts(m.Checkpoint.objects.filter(job=job).values_list("state", flat=True)),
+        checkpoints=figures.checkpoint_counts(states),
         ranks=ranks,
         commands=commands,
     )
@@ -87,7 +90,8 @@ def cycle(c: m.RestartCycle) -> schema.Cycle:
     return schema.Cycle(
         id=c.pk, key=c.key, layer=c.layer, reason=c.reason, escalated_to=c.escalated_to or None,
         marks=schema.CycleMarks(
-            fault_at=c.fault_at, detected_at=c.detected_at, aborted_at=c.aborted_at, restarted_at=c.restarted_at,
+            fault_at=c.fault_at, detected_at=c.detected_at, aborted_at=c.aborted_at,
+            restarted_at=c.restarted_at,
             checkpoint_loaded_at=c.checkpoint_loaded_at, first_step_at=c.first_step_at,
         ),
         durations=schema.CycleDurations(**c.durations()),

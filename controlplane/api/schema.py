@@ -72,18 +72,18 @@ class JobsQuery(Page, forbid_unknown_fields=True, kw_only=True):
 
 class RanksQuery(Page, forbid_unknown_fields=True, kw_only=True):
     health: RankHealthName | None = None
-    node: Annotated[str, Meta(max_length=253)] | None = None
+    node: Annotated[str, Meta(max_length=253, pattern="^[^\\x00]*$")] | None = None
 
 
 class FaultsQuery(Page, forbid_unknown_fields=True, kw_only=True):
     fault_class: FaultClass | None = None
-    layer: Annotated[Layer, Meta(description="the layer of the restart cycle that handled the fault")] | None = None
+    layer: Annotated[Layer | None, Meta(description="the layer of the cycle that handled the fault")] = None
     rank: NonNegative | None = None
 
 
 class CyclesQuery(Page, forbid_unknown_fields=True, kw_only=True):
     layer: Layer | None = None
-    open: Annotated[bool, Meta(description="true: only cycles still recovering; false: only finished")] | None = None
+    open: Annotated[bool | None, Meta(description="true: cycles still recovering; false: finished")] = None
 
 
 class CheckpointsQuery(Page, forbid_unknown_fields=True, kw_only=True):

@@ -19,7 +19,17 @@ from django.views.decorators.csrf import csrf_exempt
 
 from controlplane.api import openapi as doc
 from controlplane.api import render, schema
-from controlplane.api.http import Refused, authorise, body, error, job_or_404, keyset, next_link, query, respond
+from controlplane.api.http import (
+    Refused,
+    authorise,
+    body,
+    error,
+    job_or_404,
+    keyset,
+    next_link,
+    query,
+    respond,
+)
 from controlplane.jobs import figures, services
 from controlplane.jobs.models import Checkpoint, Command, Fault, Job, Rank, RestartCycle
 from controlplane.jobs.spec import JobSpec, SpecError
@@ -74,7 +84,8 @@ def _create_job(request: HttpRequest) -> HttpResponse:
     problems = launch_services.preflight(spec=spec)
     if problems:
         return error(422, "cannot launch: " + "; ".join(problems), preflight=problems)
-    job = services.create_job(name=data.name, spec=spec, created_by=user, remote_addr=request.META.get("REMOTE_ADDR"),
+    job = services.create_job(name=data.name, spec=spec, created_by=user,
+                              remote_addr=request.META.get("REMOTE_ADDR"),
                               notify_webhook_url=data.notify_webhook_url, notify_email=data.notify_email)
     return respond(render.job(job), 201)
 
@@ -136,7 +147,8 @@ def job_faults(request: HttpRequest, job_id: int) -> HttpResponse:
     if q.rank is not None:
         qs = qs.filter(rank=q.rank)
     rows, after = keyset(qs, q)
-    return respond(schema.FaultList(faults=[render.fault(f) for f in rows], next=next_link(request, q, after)))
+    faults = [render.fault(f) for f in rows]
+    return respond(schema.FaultList(faults=faults, next=next_link(request, q, after)))
 
 
 @api_view("GET")
@@ -151,7 +163,8 @@ def job_cycles(request: HttpRequest, job_id: int) -> HttpResponse:
     if q.open is not None:
         qs = qs.filter(first_step_at__isnull=q.open)
     rows, after = keyset(qs, q)
-    return respond(schema.CycleList(cycles=[render.cycle(c) for c in rows], next=next_link(request, q, after)))
+    cycles = [render.cycle(c) for c in rows]
+    return respond(schema.CycleList(cycles=cycles, next=next_link(request, q, after)))
 
 
 @api_view("GET")
@@ -184,7 +197,8 @@ def job_commands(request: HttpRequest, job_id: int) -> HttpResponse:
     if q.status:
         qs = qs.filter(status=q.status)
     rows, after = keyset(qs, q)
-    return respond(schema.CommandList(commands=[render.command(c) for c in rows], next=next_link(request, q, after)))
+    commands = [render.command(c) for c in rows]
+    return respond(schema.CommandList(commands=commands, next=next_link(request, q, after)))
 
 
 def _issue_command(request: HttpRequest, job_id: int) -> HttpResponse:
@@ -198,7 +212,8 @@ def _issue_command(request: HttpRequest, job_id: int) -> HttpResponse:
         elif data.kind == CommandKind.RESTART:
             if data.level is None:
                 return error(422, "restart needs the level to restart at", field="level")
-            cmd = services.restart_job(job=job, level=data.level, rank=data.rank, requested_by=user, remote_addr=addr)
+            cmd = services.restart_job(job=job, level=data.level, rank=data.rank, requested_by=user,
+                                       remote_addr=addr)
         else:
             if data.rank is None:
                 return error(422, "inject_fault needs the rank to inject into", field="rank")

@@ -88,9 +88,8 @@ def progress_pct(job: Job) -> int:
 def restarts_by_layer(job_ids: Iterable[int]) -> dict[int, dict[str, int]]:
     """Restart cycles per job and layer: {job_id: {layer: count}} (jobs without cycles absent)."""
     out: dict[int, dict[str, int]] = {}
-    for job_id, layer, n in (
-        RestartCycle.objects.filter(job_id__in=list(job_ids)).values_list("job_id", "layer").annotate(n=Count("id"))
-    ):
+    rows = RestartCycle.objects.filter(job_id__in=list(job_ids)).values_list("job_id", "layer")
+    for job_id, layer, n in rows.annotate(n=Count("id")).order_by():
         out.setdefault(job_id, {})[layer] = n
     return out
 
@@ -135,8 +134,9 @@ def rank_figures(job: Job, rows: Iterable[Rank | tuple[int, None]], now: datetim
         st = fresh.get(r.rank)
         if st is not None and (hb_at is None or st.at > hb_at):
             hb_at, phase, step, loss, step_time_s = st.at, st.phase, st.step, st.loss, st.step_time_s
-        out.append(RankFigures(rank=r.rank, node=r.node, health=r.health_at(now) if job.is_active else "stopped",
-                               hb_at=hb_at, phase=phase, step=step, loss=loss, step_time_s=step_time_s, pid=r.pid))
+        health = r.health_at(now) if job.is_active else "stopped"
+        out.append(RankFigures(rank=r.rank, node=r.node, health=health, hb_at=hb_at, phase=phase, step=step,
+                               loss=loss, step_time_s=step_time_s, pid=r.pid))
     return out
 
 

@@ -11,7 +11,8 @@ from controlplane.jobs.models import Job
 from tests.controlplane.conftest import batch, ev, hb, make_job
 
 TRACEBACK = (
-    'Traceback (most recent call last):\n  File "train.py", line 60, in step\n    raise RuntimeError("drill")\n'
+    'Traceback (most recent call last):\n  File "train.py", line 60, in step\n'
+    '    raise RuntimeError("drill")\n'
     "RuntimeError: drill"
 )
 
@@ -45,7 +46,8 @@ def build(post, settle, *, user, finish: bool = True) -> Job:
         _cycle("c5", ip, "checkpoint_loaded_at", t0 + 66.0, "in_process", step=40),
         _cycle("c6", ip, "first_step_at", t0 + 66.5, "in_process"),
         ev("f1", "fault", {"fault": "exception", "cycle": ip, "detected_by": "in_process", "node": "node-a",
-                           "message": "RuntimeError: drill at step 60\n\n" + TRACEBACK}, at=t0 + 65.2, rank=1),
+                           "message": "RuntimeError: drill at step 60\n\n" + TRACEBACK},
+           at=t0 + 65.2, rank=1),
     ]
     assert post(job, token, batch(beats, events)).status_code == 200
     beats = [hb(r, step=s, at=t0 + 40 + s, step_time_s=0.5, loss=1.5) for s in (70, 90) for r in (0, 1)]
@@ -57,8 +59,8 @@ def build(post, settle, *, user, finish: bool = True) -> Job:
         _cycle("d3", ij, "restarted_at", t0 + 134, "in_job"),
         _cycle("d4", ij, "checkpoint_loaded_at", t0 + 135, "in_job", step=80),
         _cycle("d5", ij, "first_step_at", t0 + 136, "in_job"),
-        ev("f2", "fault", {"fault": "process_killed", "cycle": ij, "detected_by": "launcher", "node": "node-b",
-                           "message": "rank 0 killed by SIGKILL"}, at=t0 + 132, rank=0),
+        ev("f2", "fault", {"fault": "process_killed", "cycle": ij, "detected_by": "launcher",
+                           "node": "node-b", "message": "rank 0 killed by SIGKILL"}, at=t0 + 132, rank=0),
     ]
     assert post(job, token, batch(beats, events)).status_code == 200
     beats = [hb(r, step=120, at=t0 + 180, step_time_s=0.5, loss=1.2) for r in (0, 1)]
