@@ -53,6 +53,10 @@ ROUTES = (
           query=s.CheckpointsQuery, errors=READ),
     Route(JOB + "/commands", "get", "listCommands", "Commands in the order issued", s.CommandList,
           query=s.CommandsQuery, errors=READ),
+    Route(JOB + "/samples", "get", "listSamples", "The loss and throughput history", s.SampleList,
+          query=s.SamplesQuery, errors=READ),
+    Route(JOB + "/audit", "get", "listAudit", "Who did what to the job, newest first", s.AuditList,
+          query=s.Page, errors=READ),
     Route(JOB + "/commands", "post", "issueCommand", "Stop, restart or inject a fault (operators)", s.Command,
           202, body=s.CommandCreate, errors=WRITE),
 )

@@ -20,7 +20,7 @@ def links(job: m.Job) -> schema.JobLinks:
     return schema.JobLinks(
         self=base, ranks=f"{base}/ranks", faults=f"{base}/faults", cycles=f"{base}/cycles",
         checkpoints=f"{base}/checkpoints", commands=f"{base}/commands", goodput=f"{base}/goodput",
-        page=reverse("dashboard:job", args=[job.pk]),
+        samples=f"{base}/samples", audit=f"{base}/audit", page=reverse("dashboard:job", args=[job.pk]),
     )
 
 
@@ -63,7 +63,11 @@ def job_detail(job: m.Job, now: datetime) -> schema.JobDetail:
         ranks=ranks,
         commands=commands,
     )
-    return schema.JobDetail(**_job_fields(job), summary=summary)
+    reported = figures.integration(job)
+    integration = schema.Integration(
+        entrypoint=job.spec["entrypoint"], level=reported.level, versions=reported.versions
+    ) if reported is not None else None
+    return schema.JobDetail(**_job_fields(job), summary=summary, integration=integration)
 
 
 def rank(f: figures.RankFigures, now: datetime) -> schema.Rank:
@@ -118,3 +122,13 @@ def command(c: m.Command) -> schema.Command:
         detail=c.detail, issued_by=c.issued_by.get_username() if c.issued_by else None, issued_at=c.issued_at,
         delivered_at=c.delivered_at, acked_at=c.acked_at,
     )
+
+
+def sample(t: m.TrainingSample) -> schema.Sample:
+    return schema.Sample(id=t.pk, at=t.at, rank=t.rank, step=t.step, loss=t.loss, step_time_s=t.step_time_s,
+                         tokens_per_s=t.tokens_per_s)
+
+
+def audit(a: m.AuditEntry) -> schema.AuditEntry:
+    return schema.AuditEntry(id=a.pk, at=a.at, actor=a.actor_name, action=a.action, detail=a.detail,
+                             remote_addr=a.remote_addr)

@@ -96,6 +96,10 @@ class CommandsQuery(Page, forbid_unknown_fields=True, kw_only=True):
     status: CommandStatusName | None = None
 
 
+class SamplesQuery(Page, forbid_unknown_fields=True, kw_only=True):
+    rank: NonNegative | None = None
+
+
 class NoQuery(Struct, forbid_unknown_fields=True):
     pass
 
@@ -130,6 +134,8 @@ class JobLinks(Struct, kw_only=True):
     checkpoints: str
     commands: str
     goodput: str
+    samples: str
+    audit: str
     page: str
 
 
@@ -162,8 +168,17 @@ class Summary(Struct, kw_only=True):
     commands: Annotated[dict[str, int], Meta(description="commands per status")]
 
 
+class Integration(Struct, kw_only=True):
+    """For a job running the user's own code: the SDK level its ranks reported and their versions."""
+
+    entrypoint: str
+    level: Annotated[int | None, Meta(description="0 unmodified script, 1 SDK calls, 2 SDK entrypoint")]
+    versions: dict[str, str]
+
+
 class JobDetail(Job, kw_only=True):
     summary: Summary
+    integration: Integration | None
 
 
 class JobList(Struct, kw_only=True):
@@ -289,6 +304,37 @@ class Command(Struct, kw_only=True):
 
 class CommandList(Struct, kw_only=True):
     commands: list[Command]
+    next: str | None
+
+
+class Sample(Struct, kw_only=True):
+    """One heartbeat kept for the loss and throughput history (about one per job every 2 s)."""
+
+    id: int
+    at: Time
+    rank: int
+    step: int
+    loss: float | None
+    step_time_s: float | None
+    tokens_per_s: float | None
+
+
+class SampleList(Struct, kw_only=True):
+    samples: list[Sample]
+    next: str | None
+
+
+class AuditEntry(Struct, kw_only=True):
+    id: int
+    at: Time
+    actor: str
+    action: str
+    detail: dict[str, Any]
+    remote_addr: str | None
+
+
+class AuditList(Struct, kw_only=True):
+    audit: list[AuditEntry]
     next: str | None
 
 

@@ -12,5 +12,7 @@ urlpatterns = [
     path("jobs/<int:job_id>/cycles", views.job_cycles, name="cycles"),
     path("jobs/<int:job_id>/checkpoints", views.job_checkpoints, name="checkpoints"),
     path("jobs/<int:job_id>/commands", views.job_commands, name="commands"),
+    path("jobs/<int:job_id>/samples", views.job_samples, name="samples"),
+    path("jobs/<int:job_id>/audit", views.job_audit, name="audit"),
     path("operator/openapi.json", views.openapi, name="openapi"),
 ]

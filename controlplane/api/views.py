@@ -31,7 +31,16 @@ from controlplane.api.http import (
     respond,
 )
 from controlplane.jobs import figures, services
-from controlplane.jobs.models import Checkpoint, Command, Fault, Job, Rank, RestartCycle
+from controlplane.jobs.models import (
+    AuditEntry,
+    Checkpoint,
+    Command,
+    Fault,
+    Job,
+    Rank,
+    RestartCycle,
+    TrainingSample,
+)
 from controlplane.jobs.spec import JobSpec, SpecError
 from controlplane.launchers import services as launch_services
 from trainer.wire import CommandKind
@@ -199,6 +208,30 @@ def job_commands(request: HttpRequest, job_id: int) -> HttpResponse:
     rows, after = keyset(qs, q)
     commands = [render.command(c) for c in rows]
     return respond(schema.CommandList(commands=commands, next=next_link(request, q, after)))
+
+
+@api_view("GET")
+def job_samples(request: HttpRequest, job_id: int) -> HttpResponse:
+    """The loss and throughput history in the order stored (sort by ``at`` to chart it)."""
+    authorise(request, act=False)
+    job = job_or_404(job_id)
+    q = query(request, schema.SamplesQuery)
+    qs = TrainingSample.objects.filter(job=job)
+    if q.rank is not None:
+        qs = qs.filter(rank=q.rank)
+    rows, after = keyset(qs, q)
+    samples = [render.sample(t) for t in rows]
+    return respond(schema.SampleList(samples=samples, next=next_link(request, q, after)))
+
+
+@api_view("GET")
+def job_audit(request: HttpRequest, job_id: int) -> HttpResponse:
+    """Who did what to the job, newest first (as on the page)."""
+    authorise(request, act=False)
+    job = job_or_404(job_id)
+    q = query(request, schema.Page)
+    rows, after = keyset(AuditEntry.objects.filter(job=job), q, descending=True)
+    return respond(schema.AuditList(audit=[render.audit(a) for a in rows], next=next_link(request, q, after)))
 
 
 def _issue_command(request: HttpRequest, job_id: int) -> HttpResponse:

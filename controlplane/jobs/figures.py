@@ -13,8 +13,8 @@ from datetime import datetime
 
 from django.db.models import Count
 
-from controlplane.jobs.models import Fault, Job, Rank, RestartCycle
-from trainer.wire import CheckpointState
+from controlplane.jobs.models import Event, Fault, Job, Rank, RestartCycle
+from trainer.wire import CheckpointState, EventKind
 
 # A rank in the job's world with no row yet (it has not reported).
 UNKNOWN = "unknown"
@@ -145,3 +145,22 @@ def world(job: Job, rows: Iterable[Rank]) -> list[Rank | tuple[int, None]]:
     ``(rank, None)`` where none exists yet."""
     by_rank = {r.rank: r for r in rows}
     return [by_rank.get(i, (i, None)) for i in sorted(set(range(job.world_size)) | set(by_rank))]
+
+
+@dataclass(frozen=True, slots=True)
+class Integration:
+    level: int | None  # the highest integration level the ranks reported (None: none reported yet)
+    versions: dict[str, str]  # sdk, torch, nvrx, python: from the newest report
+
+
+def integration(job: Job) -> Integration | None:
+    """How deeply a job's own code uses the SDK, from the ranks' ``integration`` events; None for the
+    built-in model."""
+    if not (job.spec or {}).get("entrypoint"):
+        return None
+    hellos = list(Event.objects.filter(job=job, kind=EventKind.INTEGRATION).order_by("-at")
+                  .values_list("data", flat=True)[:64])
+    levels = [h.get("level") for h in hellos if isinstance(h.get("level"), int)]
+    latest = hellos[0] if hellos else {}
+    versions = {k: str(latest[k]) for k in ("sdk", "torch", "nvrx", "python") if latest.get(k)}
+    return Integration(level=max(levels) if levels else None, versions=versions)

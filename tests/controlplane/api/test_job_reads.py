@@ -68,6 +68,7 @@ def test_it_shows_the_job_with_a_summary_and_links(api, job):
     assert sum(g["seconds"].values()) == pytest.approx(g["wall_s"])
     assert g["goodput"] == g["shares"]["productive"] > 0
     assert j["links"]["faults"] == f"/api/v1/jobs/{job.pk}/faults"
+    assert j["integration"] is None  # the built-in model
     assert api(j["links"]["goodput"]) == g
 
 
@@ -138,7 +139,8 @@ def test_it_shows_a_running_jobs_ranks_with_their_health_and_unreported_ones(api
 
 
 def test_it_pages_through_every_list_in_a_stable_order(api, job):
-    for name, key in (("faults", "id"), ("cycles", "id"), ("checkpoints", "id"), ("ranks", "rank")):
+    for name, key in (("faults", "id"), ("cycles", "id"), ("checkpoints", "id"), ("ranks", "rank"),
+                      ("samples", "id")):
         whole = api(f"/api/v1/jobs/{job.pk}/{name}")
         assert whole["next"] is None
         seen, url, pages = [], f"/api/v1/jobs/{job.pk}/{name}?limit=1", 0
@@ -194,7 +196,8 @@ def test_it_refuses_a_bad_query_naming_the_parameter(api, job, url, params, fiel
 
 
 def test_it_answers_an_unknown_job_with_404_json(api):
-    for tail in ("", "/faults", "/cycles", "/checkpoints", "/ranks", "/commands", "/goodput"):
+    for tail in ("", "/faults", "/cycles", "/checkpoints", "/ranks", "/commands", "/goodput", "/samples",
+                 "/audit"):
         assert api(f"/api/v1/jobs/999999{tail}", want=404) == {"error": "no job 999999"}
 
 
@@ -233,3 +236,27 @@ def test_it_lists_jobs_newest_first_with_a_status_filter(api, post, settle, oper
     first = api("/api/v1/jobs", limit=1)
     assert [j["id"] for j in first["jobs"]] == [running.pk]
     assert [j["id"] for j in api(first["next"])["jobs"]] == [done.pk]
+
+
+def test_it_lists_the_training_history_and_the_audit_log(api, job):
+    samples = api(f"/api/v1/jobs/{job.pk}/samples")["samples"]
+    assert samples and all(s["loss"] is not None and s["step"] > 0 for s in samples)
+    assert api(f"/api/v1/jobs/{job.pk}/samples", rank=7)["samples"] == []
+    audit = api(f"/api/v1/jobs/{job.pk}/audit")["audit"]
+    assert [(a["action"], a["actor"]) for a in audit] == [("job.restart", "op")]
+    assert audit[0]["detail"]["level"] == "in_process"
+
+
+def test_it_shows_what_a_users_own_code_reported(api, client, post):
+    from tests.controlplane.conftest import batch, ev, make_job
+
+    job, token = make_job(spec={"procs_per_node": 2, "entrypoint": "train.py"})
+    before = api(f"/api/v1/jobs/{job.pk}")["integration"]
+    assert before == {"entrypoint": "train.py", "level": None, "versions": {}}
+    hello = {"level": 1, "entrypoint": "train.py", "sdk": "0.1.0", "torch": "2.13.0", "nvrx": "0.4.1"}
+    assert post(job, token, batch([], [ev("i0", "integration", hello, rank=0)])).status_code == 200
+    shown = api(f"/api/v1/jobs/{job.pk}")["integration"]
+    assert shown == {"entrypoint": "train.py", "level": 1,
+                     "versions": {"sdk": "0.1.0", "torch": "2.13.0", "nvrx": "0.4.1"}}
+    page = client.get(f"/jobs/{job.pk}/").context["code"]
+    assert (page["level"], page["versions"]) == (shown["level"], shown["versions"])
