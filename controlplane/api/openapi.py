@@ -57,6 +57,8 @@ ROUTES = (
           query=s.SamplesQuery, errors=READ),
     Route(JOB + "/audit", "get", "listAudit", "Who did what to the job, newest first", s.AuditList,
           query=s.Page, errors=READ),
+    Route(JOB + "/quarantined", "get", "listQuarantined", "Heartbeat state that could not be stored",
+          s.QuarantinedList, query=s.Page, errors=READ),
     Route(JOB + "/commands", "post", "issueCommand", "Stop, restart or inject a fault (operators)", s.Command,
           202, body=s.CommandCreate, errors=WRITE),
 )

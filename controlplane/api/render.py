@@ -20,7 +20,8 @@ def links(job: m.Job) -> schema.JobLinks:
     return schema.JobLinks(
         self=base, ranks=f"{base}/ranks", faults=f"{base}/faults", cycles=f"{base}/cycles",
         checkpoints=f"{base}/checkpoints", commands=f"{base}/commands", goodput=f"{base}/goodput",
-        samples=f"{base}/samples", audit=f"{base}/audit", page=reverse("dashboard:job", args=[job.pk]),
+        samples=f"{base}/samples", audit=f"{base}/audit", quarantined=f"{base}/quarantined",
+        page=reverse("dashboard:job", args=[job.pk]),
     )
 
 
@@ -62,6 +63,7 @@ def job_detail(job: m.Job, now: datetime) -> schema.JobDetail:
         checkpoints=figures.checkpoint_counts(states),
         ranks=ranks,
         commands=commands,
+        quarantined=m.QuarantinedHeartbeat.objects.filter(job=job).count(),
     )
     reported = figures.integration(job)
     integration = schema.Integration(
@@ -132,3 +134,8 @@ def sample(t: m.TrainingSample) -> schema.Sample:
 def audit(a: m.AuditEntry) -> schema.AuditEntry:
     return schema.AuditEntry(id=a.pk, at=a.at, actor=a.actor_name, action=a.action, detail=a.detail,
                              remote_addr=a.remote_addr)
+
+
+def quarantined(q: m.QuarantinedHeartbeat) -> schema.Quarantined:
+    return schema.Quarantined(id=q.pk, rank=q.rank, reason=q.reason, payload=q.payload, at=q.at,
+                              count=q.count)

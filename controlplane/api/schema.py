@@ -136,6 +136,7 @@ class JobLinks(Struct, kw_only=True):
     goodput: str
     samples: str
     audit: str
+    quarantined: str
     page: str
 
 
@@ -166,6 +167,7 @@ class Summary(Struct, kw_only=True):
     checkpoints: Annotated[dict[str, int], Meta(description="saves per state")]
     ranks: Annotated[dict[str, int], Meta(description="ranks per health")]
     commands: Annotated[dict[str, int], Meta(description="commands per status")]
+    quarantined: Annotated[NonNegative, Meta(description="ranks with quarantined heartbeat state")]
 
 
 class Integration(Struct, kw_only=True):
@@ -321,6 +323,22 @@ class Sample(Struct, kw_only=True):
 
 class SampleList(Struct, kw_only=True):
     samples: list[Sample]
+    next: str | None
+
+
+class Quarantined(Struct, kw_only=True):
+    """Heartbeat state the control plane could not store, per rank (null: the job's progress state)."""
+
+    id: int
+    rank: int | None
+    reason: str
+    payload: str
+    at: Annotated[Time, Meta(description="the last time it happened")]
+    count: NonNegative
+
+
+class QuarantinedList(Struct, kw_only=True):
+    quarantined: list[Quarantined]
     next: str | None
 
 

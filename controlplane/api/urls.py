@@ -14,5 +14,6 @@ urlpatterns = [
     path("jobs/<int:job_id>/commands", views.job_commands, name="commands"),
     path("jobs/<int:job_id>/samples", views.job_samples, name="samples"),
     path("jobs/<int:job_id>/audit", views.job_audit, name="audit"),
+    path("jobs/<int:job_id>/quarantined", views.job_quarantined, name="quarantined"),
     path("operator/openapi.json", views.openapi, name="openapi"),
 ]

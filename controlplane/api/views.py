@@ -37,6 +37,7 @@ from controlplane.jobs.models import (
     Command,
     Fault,
     Job,
+    QuarantinedHeartbeat,
     Rank,
     RestartCycle,
     TrainingSample,
@@ -232,6 +233,17 @@ def job_audit(request: HttpRequest, job_id: int) -> HttpResponse:
     q = query(request, schema.Page)
     rows, after = keyset(AuditEntry.objects.filter(job=job), q, descending=True)
     return respond(schema.AuditList(audit=[render.audit(a) for a in rows], next=next_link(request, q, after)))
+
+
+@api_view("GET")
+def job_quarantined(request: HttpRequest, job_id: int) -> HttpResponse:
+    """Heartbeat state the flush could not store (the page's "Quarantined heartbeats"), by rank row."""
+    authorise(request, act=False)
+    job = job_or_404(job_id)
+    q = query(request, schema.Page)
+    rows, after = keyset(QuarantinedHeartbeat.objects.filter(job=job), q)
+    items = [render.quarantined(x) for x in rows]
+    return respond(schema.QuarantinedList(quarantined=items, next=next_link(request, q, after)))
 
 
 def _issue_command(request: HttpRequest, job_id: int) -> HttpResponse:

@@ -63,6 +63,7 @@ def test_it_shows_the_job_with_a_summary_and_links(api, job):
     assert s["checkpoints"] == {"in_flight": 0, "durable": 3, "failed": 0, "abandoned": 1}
     assert s["ranks"] == {"stopped": 2}
     assert s["commands"] == {"pending": 1}
+    assert s["quarantined"] == 0
     g = s["goodput"]
     assert sum(g["shares"].values()) == pytest.approx(1.0)
     assert sum(g["seconds"].values()) == pytest.approx(g["wall_s"])
@@ -197,7 +198,7 @@ def test_it_refuses_a_bad_query_naming_the_parameter(api, job, url, params, fiel
 
 def test_it_answers_an_unknown_job_with_404_json(api):
     for tail in ("", "/faults", "/cycles", "/checkpoints", "/ranks", "/commands", "/goodput", "/samples",
-                 "/audit"):
+                 "/audit", "/quarantined"):
         assert api(f"/api/v1/jobs/999999{tail}", want=404) == {"error": "no job 999999"}
 
 
@@ -260,3 +261,16 @@ def test_it_shows_what_a_users_own_code_reported(api, client, post):
                      "versions": {"sdk": "0.1.0", "torch": "2.13.0", "nvrx": "0.4.1"}}
     page = client.get(f"/jobs/{job.pk}/").context["code"]
     assert (page["level"], page["versions"]) == (shown["level"], shown["versions"])
+
+
+def test_it_lists_quarantined_heartbeat_state(api, job):
+    from django.utils import timezone
+
+    from controlplane.jobs.heartbeats import record_quarantine
+
+    record_quarantine(job.pk, 1, "step: must be an integer", b'{"step": "x\x00"}', now=timezone.now())
+    record_quarantine(job.pk, 1, "step: must be an integer", b'{"step": "y"}', now=timezone.now())
+    (q,) = api(f"/api/v1/jobs/{job.pk}/quarantined")["quarantined"]
+    assert (q["rank"], q["reason"], q["count"]) == (1, "step: must be an integer", 2)
+    assert q["payload"] == '{"step": "y"}'
+    assert api(f"/api/v1/jobs/{job.pk}")["summary"]["quarantined"] == 1
