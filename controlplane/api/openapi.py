@@ -59,6 +59,7 @@ ROUTES = (
           query=s.Page, errors=READ),
     Route(JOB + "/quarantined", "get", "listQuarantined", "Heartbeat state that could not be stored",
           s.QuarantinedList, query=s.Page, errors=READ),
+    Route(JOB + "/log", "get", "getLog", "The end of the job's log", s.Log, query=s.NoQuery, errors=READ),
     Route(JOB + "/commands", "post", "issueCommand", "Stop, restart or inject a fault (operators)", s.Command,
           202, body=s.CommandCreate, errors=WRITE),
 )

@@ -21,7 +21,7 @@ def links(job: m.Job) -> schema.JobLinks:
         self=base, ranks=f"{base}/ranks", faults=f"{base}/faults", cycles=f"{base}/cycles",
         checkpoints=f"{base}/checkpoints", commands=f"{base}/commands", goodput=f"{base}/goodput",
         samples=f"{base}/samples", audit=f"{base}/audit", quarantined=f"{base}/quarantined",
-        page=reverse("dashboard:job", args=[job.pk]),
+        log=f"{base}/log",        page=reverse("dashboard:job", args=[job.pk]),
     )
 
 

@@ -137,6 +137,7 @@ class JobLinks(Struct, kw_only=True):
     samples: str
     audit: str
     quarantined: str
+    log: str
     page: str
 
 
@@ -340,6 +341,13 @@ class Quarantined(Struct, kw_only=True):
 class QuarantinedList(Struct, kw_only=True):
     quarantined: list[Quarantined]
     next: str | None
+
+
+class Log(Struct, kw_only=True):
+    """The end of the job's log (local jobs; about the last 12 KB), or why there is none."""
+
+    text: str | None
+    why: str | None
 
 
 class AuditEntry(Struct, kw_only=True):

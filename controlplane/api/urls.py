@@ -15,5 +15,6 @@ urlpatterns = [
     path("jobs/<int:job_id>/samples", views.job_samples, name="samples"),
     path("jobs/<int:job_id>/audit", views.job_audit, name="audit"),
     path("jobs/<int:job_id>/quarantined", views.job_quarantined, name="quarantined"),
+    path("jobs/<int:job_id>/log", views.job_log, name="log"),
     path("operator/openapi.json", views.openapi, name="openapi"),
 ]

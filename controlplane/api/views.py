@@ -44,6 +44,7 @@ from controlplane.jobs.models import (
 )
 from controlplane.jobs.spec import JobSpec, SpecError
 from controlplane.launchers import services as launch_services
+from controlplane.launchers.logs import log_tail
 from trainer.wire import CommandKind
 
 
@@ -244,6 +245,14 @@ def job_quarantined(request: HttpRequest, job_id: int) -> HttpResponse:
     rows, after = keyset(QuarantinedHeartbeat.objects.filter(job=job), q)
     items = [render.quarantined(x) for x in rows]
     return respond(schema.QuarantinedList(quarantined=items, next=next_link(request, q, after)))
+
+
+@api_view("GET")
+def job_log(request: HttpRequest, job_id: int) -> HttpResponse:
+    authorise(request, act=False)
+    query(request, schema.NoQuery)
+    tail = log_tail(job_or_404(job_id))
+    return respond(schema.Log(text=tail.text, why=tail.why))
 
 
 def _issue_command(request: HttpRequest, job_id: int) -> HttpResponse:

@@ -29,6 +29,7 @@ from controlplane.jobs.models import (
     RestartCycle,
     TrainingSample,
 )
+from controlplane.launchers.logs import log_tail
 from trainer.wire import CheckpointState, Layer
 
 FOLLOW_WINDOW_S = 600.0
@@ -551,18 +552,7 @@ def audit_part(job: Job) -> dict:
 
 
 def log_part(job: Job) -> dict:
-    if job.backend != "local":
-        return {
-            "available": False,
-            "why": f"log tails are kept for local jobs; see the {job.backend} backend's logs",
-        }
-    try:
-        from controlplane.launchers.base import get_launcher
-
-        text = get_launcher(job.backend).log_tail(job, max_bytes=12000)
-    except Exception as e:  # the launcher is optional on this page: show why, never fail the page
-        return {"available": False, "why": f"log not available: {e}"}
-    if not text:
-        return {"available": False, "why": "no log yet (the job has not started writing one)"}
-    return {"available": True, "text": text}
-
+    tail = log_tail(job)
+    if tail.text is None:
+        return {"available": False, "why": tail.why}
+    return {"available": True, "text": tail.text}

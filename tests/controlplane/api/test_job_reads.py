@@ -198,7 +198,7 @@ def test_it_refuses_a_bad_query_naming_the_parameter(api, job, url, params, fiel
 
 def test_it_answers_an_unknown_job_with_404_json(api):
     for tail in ("", "/faults", "/cycles", "/checkpoints", "/ranks", "/commands", "/goodput", "/samples",
-                 "/audit", "/quarantined"):
+                 "/audit", "/quarantined", "/log"):
         assert api(f"/api/v1/jobs/999999{tail}", want=404) == {"error": "no job 999999"}
 
 
@@ -274,3 +274,16 @@ def test_it_lists_quarantined_heartbeat_state(api, job):
     assert (q["rank"], q["reason"], q["count"]) == (1, "step: must be an integer", 2)
     assert q["payload"] == '{"step": "y"}'
     assert api(f"/api/v1/jobs/{job.pk}")["summary"]["quarantined"] == 1
+
+
+def test_it_shows_the_end_of_the_log_or_why_there_is_none(api, client, tmp_path):
+    from tests.controlplane.conftest import make_job
+
+    log = tmp_path / "job.log"
+    log.write_text("step 1 loss 7.0\nstep 2 loss 6.5\n")
+    job, _ = make_job(launcher_state={"log": str(log)})
+    assert api(f"/api/v1/jobs/{job.pk}/log") == {"text": "step 1 loss 7.0\nstep 2 loss 6.5\n", "why": None}
+    empty, _ = make_job()
+    shown = api(f"/api/v1/jobs/{empty.pk}/log")
+    assert shown["text"] is None and "no log yet" in shown["why"]
+    assert shown["why"] in client.get(f"/jobs/{empty.pk}/part/log/").content.decode()
