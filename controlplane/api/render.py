@@ -12,6 +12,7 @@ from controlplane.api import schema
 from controlplane.jobs import figures
 from controlplane.jobs import models as m
 from controlplane.jobs.goodput import PARTS
+from controlplane.jobs.versions import runtime_versions
 from trainer.wire import Layer
 
 
@@ -69,7 +70,8 @@ def job_detail(job: m.Job, now: datetime) -> schema.JobDetail:
     integration = schema.Integration(
         entrypoint=job.spec["entrypoint"], level=reported.level, versions=reported.versions
     ) if reported is not None else None
-    return schema.JobDetail(**_job_fields(job), summary=summary, integration=integration)
+    ran_with = [schema.RanWith(**v) for v in runtime_versions(job)]
+    return schema.JobDetail(**_job_fields(job), summary=summary, integration=integration, ran_with=ran_with)
 
 
 def rank(f: figures.RankFigures, now: datetime) -> schema.Rank:

@@ -179,9 +179,19 @@ class Integration(Struct, kw_only=True):
     versions: dict[str, str]
 
 
+class RanWith(Struct, kw_only=True):
+    """What one attempt ran with, as its launchers reported at start-up."""
+
+    attempt: int | None
+    nvrx: Annotated[str, Meta(description="nvidia-resiliency-ext version")]
+    torch: str
+    python: str
+
+
 class JobDetail(Job, kw_only=True):
     summary: Summary
     integration: Integration | None
+    ran_with: Annotated[list[RanWith], Meta(description="per attempt, newest first")]
 
 
 class JobList(Struct, kw_only=True):

@@ -64,7 +64,9 @@ def checkpoint_figures(
     *, started_at: float, finished_at: float | None, state: str, write_s: float | None, nbytes: int | None
 ) -> CheckpointFigures:
     """Figures of one save, from its facts (times as unix seconds)."""
-    elapsed = max(0.0, finished_at - started_at) if finished_at is not None else None
+    # To the millisecond: the page reads times as SQL epochs and the API as datetimes, which differ in
+    # the last microseconds.
+    elapsed = round(max(0.0, finished_at - started_at), 3) if finished_at is not None else None
     return CheckpointFigures(
         elapsed_s=elapsed,
         durable_s=elapsed if state == CheckpointState.DURABLE else None,

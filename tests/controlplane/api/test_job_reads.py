@@ -287,3 +287,17 @@ def test_it_shows_the_end_of_the_log_or_why_there_is_none(api, client, tmp_path)
     shown = api(f"/api/v1/jobs/{empty.pk}/log")
     assert shown["text"] is None and "no log yet" in shown["why"]
     assert shown["why"] in client.get(f"/jobs/{empty.pk}/part/log/").content.decode()
+
+
+def test_it_says_what_each_attempt_ran_with_from_the_launchers_start_events(api, post):
+    from tests.controlplane.conftest import batch, ev, make_job
+
+    job, token = make_job(spec={"procs_per_node": 2, "steps": 300})
+    assert api(f"/api/v1/jobs/{job.pk}")["ran_with"] == []
+    start = {"message": "starting ft_launcher", "torch": "2.13.0", "python": "3.11.2"}
+    events = [ev("l0", "launcher", {**start, "attempt": 0, "nvrx": "0.4.1"}),
+              ev("l1", "launcher", {**start, "attempt": 1, "nvrx": "0.6.0"})]
+    assert post(job, token, batch([], events)).status_code == 200
+    assert api(f"/api/v1/jobs/{job.pk}")["ran_with"] == [
+        {"attempt": 1, "nvrx": "0.6.0", "torch": "2.13.0", "python": "3.11.2"},
+        {"attempt": 0, "nvrx": "0.4.1", "torch": "2.13.0", "python": "3.11.2"}]
