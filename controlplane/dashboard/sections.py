@@ -586,7 +586,7 @@ def log_part(job: Job) -> dict:
             "why": f"log tails are kept for local jobs; see the {job.backend} backend's logs",
         }
     try:
-        from controlplane.launchers.base import get_launcher
+        from controlplane.launchers.backends import get_launcher
 
         text = get_launcher(job.backend).log_tail(job, max_bytes=12000)
     except Exception as e:  # the launcher is optional on this page: show why, never fail the page

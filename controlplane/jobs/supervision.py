@@ -17,9 +17,10 @@ from django.db.models.functions import Coalesce
 from django.utils import timezone
 
 from controlplane.jobs import heartbeats as hb_store
-from controlplane.jobs import notifications
+from controlplane.jobs import launcher_port, notifications
 from controlplane.jobs.models import (
     ACTIVE_STATUSES,
+    Command,
     Fault,
     Job,
     JobStatus,
@@ -28,7 +29,7 @@ from controlplane.jobs.models import (
     RestartCycle,
 )
 from controlplane.jobs.services import set_status
-from trainer.wire import FaultClass
+from trainer.wire import CommandKind, FaultClass
 
 log = logging.getLogger(__name__)
 _CHUNK = 900  # ranks per claim statement (SQLite's variable limit is far above; keeps statements short)
@@ -230,22 +231,16 @@ def _stop_storm(job_id: int, count: int, now: datetime) -> int:
             return 0
         notifications.enqueue(job, Notification.Transition.STORM, "storm",
                               f"Job #{job.pk} {job.name} stopped: {reason}.", now=now)
-        transaction.on_commit(lambda job_id=job.pk: request_stop(job_id))
+        request_stop(job.pk, reason=reason)
     log.error("job %s: %s", job.pk, reason)
     return 1
 
 
-def request_stop(job_id: int) -> None:
-    """Ask the launcher to end the job's processes (its task; guarded until the launcher app has it)."""
-    try:
-        from controlplane.launchers.tasks import stop
-    except ImportError:
-        log.error("job %s: cannot ask the launcher to stop it (controlplane.launchers.tasks.stop missing)", job_id)
-        return
-    try:
-        stop.delay(job_id, None)
-    except Exception:  # noqa: BLE001 - the broker is down; the launcher's supervise pass sees a FAILED job
-        log.exception("job %s: could not enqueue the launcher stop", job_id)
+def request_stop(job_id: int, *, reason: str) -> None:
+    """Ask the launcher to end the job's processes: a stop command row (its outbox, carried out even if the
+    nudge is lost) written in the caller's transaction, and a nudge once it commits."""
+    cmd = Command.objects.create(job_id=job_id, kind=CommandKind.STOP, via_trainer=False, detail=reason[:2000])
+    launcher_port.request("stop", job_id=job_id, command_id=cmd.pk)
 
 
 __all__ = ["ACTIVE_STATUSES", "WatchdogResult", "mark_overdue", "mark_stalled", "request_stop", "run_watchdog",

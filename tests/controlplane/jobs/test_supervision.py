@@ -9,7 +9,8 @@ from django.db import connection
 from django.utils import timezone
 
 from controlplane.jobs import heartbeats, ingestion, supervision, tasks
-from controlplane.jobs.models import Fault, Job, Notification, Rank, RestartCycle
+from controlplane.jobs.launcher_port import launcher_requested
+from controlplane.jobs.models import Command, Fault, Job, Notification, Rank, RestartCycle
 from tests.controlplane.conftest import batch, hb, make_job, needs_postgres, needs_redis
 from trainer.wire import parse_batch
 
@@ -153,8 +154,10 @@ def _cycles(job, n, start):
 
 
 def test_it_stops_a_restart_storm(monkeypatch, django_capture_on_commit_callbacks):
-    stopped = []
-    monkeypatch.setattr(supervision, "request_stop", stopped.append)
+    nudges = []
+    monkeypatch.setattr(launcher_requested, "receivers", [])  # here, nobody carries the stop out
+    launcher_requested.connect(lambda **kw: nudges.append((kw["action"], kw["job_id"], kw["command_id"])),
+                               weak=False)
     job, _ = make_job(spec={"storm_restarts": 3}, notify_email="ops@example.com",
                       max_step=50, last_progress_at=timezone.now() - timedelta(minutes=5))
     _cycles(job, 2, timezone.now() - timedelta(minutes=4))
@@ -164,7 +167,11 @@ def test_it_stops_a_restart_storm(monkeypatch, django_capture_on_commit_callback
         assert supervision.stop_storms() == 1
     job.refresh_from_db()
     assert job.status == "failed" and job.status_reason.startswith("restart storm: 3 restarts")
-    assert stopped == [job.pk]
+    # The stop is a row (the launcher's supervise pass carries it out if the nudge is lost) and a nudge.
+    stop = Command.objects.get(job=job)
+    assert (stop.kind, stop.via_trainer, stop.status) == ("stop", False, "pending")
+    assert stop.detail.startswith("restart storm")
+    assert nudges == [("stop", job.pk, stop.pk)]
     assert Notification.objects.get(job=job).transition == "storm"
     assert supervision.stop_storms() == 0
 
