@@ -16,7 +16,9 @@ from django.db.models import Count, Max, Q
 
 from controlplane.dashboard import charts
 from controlplane.dashboard.timeline import job_spans, rank_spans, ts
+from controlplane.jobs import health, heartbeats
 from controlplane.jobs.goodput import PARTS, Epoch
+from controlplane.jobs.heartbeats import Timeouts
 from controlplane.jobs.models import (
     AuditEntry,
     Checkpoint,
@@ -176,9 +178,15 @@ def lanes_for(job: Job, now: datetime) -> list[dict]:
     if cached is not None:
         return cached
     ranks = {r.rank: r for r in Rank.objects.filter(job=job)}
+    ids = sorted(set(range(job.world_size)) | set(ranks))
+    # Each row moved forward to the heartbeat store's newest beat, judged by the watchdog's own rule.
+    fresh = _freshest(job, ids) if job.is_active else {}
+    timeouts = Timeouts.of(job.spec)
     lanes = []
-    for i in sorted(set(range(job.world_size)) | set(ranks)):
+    for i in ids:
         r = ranks.get(i)
+        if i in fresh:
+            r = health.current(r or Rank(job=job, rank=i), fresh[i], timeouts, now)
         lanes.append({"rank": i, "node": r.node if r else "", "row": r})
     lanes.sort(key=lambda ln: (ln["node"], ln["rank"]))
     job._dashboard_lanes = lanes
@@ -491,32 +499,19 @@ def goodput_part(job: Job, now: datetime) -> dict:
 def _freshest(job: Job, ranks: list[int]) -> dict:
     """Newer heartbeats than the Rank rows hold (the Redis store writes rows on its flush); {} otherwise."""
     try:
-        from controlplane.jobs import heartbeats
-
         return heartbeats.get_store().freshest(job.pk, ranks)
     except Exception:  # noqa: BLE001 - the rows are the fallback: a store hiccup must not break the page
         return {}
 
 
 def ranks_part(job: Job, now: datetime) -> dict:
-    lanes = lanes_for(job, now)
-    fresh = _freshest(job, [ln["rank"] for ln in lanes]) if job.is_active else {}
     rows = []
-    for ln in lanes:
+    for ln in lanes_for(job, now):
         r = ln["row"]
         if r is None:
             rows.append({"rank": ln["rank"], "node": "", "health": "unknown", "age": None, "hb_at": None})
             continue
-        hb_at, phase, step, loss, step_time_s = (
-            ts(r.last_heartbeat_at),
-            r.phase,
-            r.last_step,
-            r.loss,
-            r.step_time_s,
-        )
-        st = fresh.get(r.rank)
-        if st is not None and (hb_at is None or st.at > hb_at):
-            hb_at, phase, step, loss, step_time_s = st.at, st.phase, st.step, st.loss, st.step_time_s
+        hb_at = ts(r.last_heartbeat_at)
         rows.append(
             {
                 "rank": r.rank,
@@ -525,10 +520,10 @@ def ranks_part(job: Job, now: datetime) -> dict:
                 "age": now.timestamp() - hb_at if hb_at else None,
                 "hb_at": hb_at,
                 "hb_ms": int(hb_at * 1000) if hb_at else None,
-                "phase": phase,
-                "step": step,
-                "loss": loss,
-                "step_time_s": step_time_s,
+                "phase": r.phase,
+                "step": r.last_step,
+                "loss": r.loss,
+                "step_time_s": r.step_time_s,
                 "pid": r.pid,
             }
         )
