@@ -56,7 +56,7 @@ def test_a_poisoned_job_cannot_delay_another_jobs_flush(hb_store, client):
     assert not QuarantinedHeartbeat.objects.filter(job=good).exists()
 
     text = client.get("/metrics").content.decode()
-    assert f'unbroken_ingest_quarantined_total{{job="{bad.pk}"}} 4' in text
+    assert f'unbroken_ingest_quarantined_total{{job="{bad.pk}"}} 4.0' in text
 
     hb_store.record(good.pk, [hb(0, 8)], TIMEOUTS, now=now)
     hb_store.flush()
