@@ -27,6 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 DOCKERFILE = ROOT / "deploy" / "Dockerfile"
 K8S_TESTS = ROOT / "tests" / "controlplane" / "launchers" / "k8s"
 PASSWORD = "image-test-operator-pw-0123"
+SITE_PACKAGES = list(dict.fromkeys(sysconfig.get_paths()[k] for k in ("purelib", "platlib")))
 
 # Started as ``python -S boot.py <script or -m module> args...``: refuses what the image does not install,
 # then runs the command the image would.
@@ -50,7 +51,7 @@ else:
 
 
 def final_stage_copies(dockerfile: Path) -> list[tuple[list[str], str]]:
-    """(sources, destination) of each COPY in the last stage, without --from (those come from a build stage)."""
+    """(sources, destination) of each COPY in the last stage; not --from ones (from a build stage)."""
     text = re.sub(r"\\\n", " ", dockerfile.read_text())
     stages = re.split(r"(?im)^FROM\s", text)
     copies = []
@@ -145,7 +146,7 @@ def test_the_images_file_set_serves_a_local_and_a_kubernetes_job(tmp_path, fake_
     env = {
         "PATH": os.environ["PATH"], "HOME": str(tmp_path),
         # Only the image's tree and the installed packages: no repository checkout, no editable SDK.
-        "PYTHONPATH": os.pathsep.join([str(app), sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]]),
+        "PYTHONPATH": os.pathsep.join([str(app), *SITE_PACKAGES]),
         "DJANGO_SETTINGS_MODULE": "controlplane.settings",
         "UNBROKEN_SECRET_KEY": "image-test-only-secret-key-0123456789-abcdefghijklmnop",
         "UNBROKEN_DATA_DIR": str(tmp_path / "var"),
@@ -156,8 +157,8 @@ def test_the_images_file_set_serves_a_local_and_a_kubernetes_job(tmp_path, fake_
     }
     boot = [sys.executable, "-S", str(tmp_path / "boot.py")]
     for cmd in (["manage.py", "migrate", "--noinput", "-v", "0"], ["manage.py", "ensure_operator"]):
-        r = subprocess.run([*boot, str(app / cmd[0]), *cmd[1:]], cwd=app, env=env, capture_output=True, text=True,
-                           timeout=180)
+        r = subprocess.run([*boot, str(app / cmd[0]), *cmd[1:]], cwd=app, env=env, capture_output=True,
+                           text=True, timeout=180)
         assert r.returncode == 0, r.stderr[-3000:]
     web = subprocess.Popen([*boot, "-m", "uvicorn", "controlplane.asgi:application", "--host", "127.0.0.1",
                             "--port", str(port)], cwd=app, env=env, stdout=subprocess.PIPE,
@@ -196,8 +197,9 @@ def _wait_healthy(base: str, proc: subprocess.Popen) -> None:
 
 def _post_job(base: str, body: dict) -> dict:
     auth = base64.b64encode(f"operator:{PASSWORD}".encode()).decode()
+    headers = {"Content-Type": "application/json", "Authorization": f"Basic {auth}"}
     req = urllib.request.Request(f"{base}/api/v1/jobs", data=json.dumps(body).encode(), method="POST",
-                                 headers={"Content-Type": "application/json", "Authorization": f"Basic {auth}"})
+                                 headers=headers)
     try:
         with urllib.request.urlopen(req, timeout=60) as r:
             return {"status": r.status, "body": json.loads(r.read())}

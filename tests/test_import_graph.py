@@ -17,8 +17,8 @@ LINT_IMPORTS = Path(sys.executable).with_name("lint-imports")
 
 
 def lint_imports(tree: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([str(LINT_IMPORTS), "--no-cache", "--no-logo"], cwd=tree, env={"PYTHONPATH": str(tree)},
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run([str(LINT_IMPORTS), "--no-cache", "--no-logo"], cwd=tree,
+                          env={"PYTHONPATH": str(tree)}, capture_output=True, text=True, timeout=300)
 
 
 def copy_tree(dest: Path) -> Path:

@@ -56,14 +56,16 @@ def _allowed(request) -> tuple[bool, int, str]:
     )
 
 
-def _histogram(qs, value, buckets: tuple[float, ...], *, duration: bool = False) -> dict[int, tuple[list, float]]:
+def _histogram(qs, value, buckets: tuple[float, ...], *,
+               duration: bool = False) -> dict[int, tuple[list, float]]:
     """Per job: cumulative bucket counts of ``value`` and their sum, counted by the database (one grouped
     query; no row reaches Python). ``duration``: ``value`` is an interval, compared against timedeltas."""
     def bound(le: float):
         return timedelta(seconds=le) if duration else le
 
     aggs = {f"b{i}": Count("pk", filter=Q(**{"v__lte": bound(le)})) for i, le in enumerate(buckets)}
-    rows = qs.annotate(v=value).filter(v__isnull=False).values("job_id").annotate(n=Count("pk"), s=Sum("v"), **aggs)
+    rows = (qs.annotate(v=value).filter(v__isnull=False).values("job_id")
+            .annotate(n=Count("pk"), s=Sum("v"), **aggs))
     out = {}
     for r in rows:
         total = r["s"].total_seconds() if isinstance(r["s"], timedelta) else float(r["s"] or 0.0)
@@ -98,9 +100,9 @@ class JobCollector:
 
     def collect(self):
         now = self.now
-        jobs = list(Job.objects.filter(Q(finished_at__isnull=True) | Q(finished_at__gte=now - timedelta(hours=1)))
-                    .order_by("id").only("pk", "status", "last_step", "started_at", "created_at", "finished_at",
-                                         "first_step_at"))
+        recent = Q(finished_at__isnull=True) | Q(finished_at__gte=now - timedelta(hours=1))
+        jobs = list(Job.objects.filter(recent).order_by("id").only(
+            "pk", "status", "last_step", "started_at", "created_at", "finished_at", "first_step_at"))
         ids = [j.pk for j in jobs]
 
         step = GaugeMetricFamily("unbroken_job_step", "Last completed training step.", labels=["job"])
@@ -143,10 +145,10 @@ class JobCollector:
             yield fam
 
         shares = {j.pk: _goodput(j, now) for j in jobs}
-        goodput = GaugeMetricFamily("unbroken_goodput_ratio",
-                                    "Productive step time / wall time (definition on the job page).", labels=["job"])
-        parts = GaugeMetricFamily("unbroken_wall_time_share", "Share of wall time per goodput part; parts add "
-                                  "up to 1.", labels=["job", "part"])
+        goodput = GaugeMetricFamily("unbroken_goodput_ratio", "Productive step time / wall time "
+                                    "(definition on the job page).", labels=["job"])
+        parts = GaugeMetricFamily("unbroken_wall_time_share", "Share of wall time per goodput part; "
+                                  "parts add up to 1.", labels=["job", "part"])
         for j in jobs:
             goodput.add_metric([str(j.pk)], round(shares[j.pk]["goodput"], 6))
             for part in PARTS:
@@ -154,8 +156,9 @@ class JobCollector:
         yield goodput
         yield parts
 
-        quarantined = CounterMetricFamily("unbroken_ingest_quarantined", "Heartbeat states the flush could "
-                                          "not write and quarantined (reasons on the job page).", labels=["job"])
+        quarantined = CounterMetricFamily("unbroken_ingest_quarantined", "Heartbeat states the flush "
+                                          "could not write and quarantined (reasons on the job page).",
+                                          labels=["job"])
         for job_id, n in (QuarantinedHeartbeat.objects.filter(job_id__in=ids).values_list("job_id")
                           .annotate(n=Sum("count")).order_by("job_id")):
             quarantined.add_metric([str(job_id)], n)
@@ -168,9 +171,11 @@ class JobCollector:
                                     "Seconds since each rank's last heartbeat, as a histogram per job.",
                                     labels=["job"])
         oldest = GaugeMetricFamily("unbroken_rank_heartbeat_age_max_seconds",
-                                   "Seconds since the last heartbeat of the job's quietest rank.", labels=["job"])
+                                   "Seconds since the last heartbeat of the job's quietest rank.",
+                                   labels=["job"])
         lost = GaugeMetricFamily("unbroken_ranks_lost", "Ranks the watchdog marked lost.", labels=["job"])
-        stalled = GaugeMetricFamily("unbroken_ranks_stalled", "Ranks the watchdog marked stalled.", labels=["job"])
+        stalled = GaugeMetricFamily("unbroken_ranks_stalled", "Ranks the watchdog marked stalled.",
+                                    labels=["job"])
         per_job = {r["job_id"]: r for r in Rank.objects.filter(job_id__in=ids).values("job_id").annotate(
             first=Min("last_heartbeat_at"), lost=Count("pk", filter=Q(lost_at__isnull=False)),
             stalled=Count("pk", filter=Q(stalled_at__isnull=False)))}

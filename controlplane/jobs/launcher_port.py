@@ -38,7 +38,7 @@ def request(action: str, *, job_id: int, command_id: int | None = None, countdow
                       job_id, action)
         for receiver, result in receivers:
             if isinstance(result, Exception):
-                log.error("job %s: the launcher could not take the %r request now: %s", job_id, action, result,
-                          exc_info=result)
+                log.error("job %s: the launcher could not take the %r request now: %s", job_id, action,
+                          result, exc_info=result)
 
     transaction.on_commit(send)

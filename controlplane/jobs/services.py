@@ -129,7 +129,8 @@ def stop_job(*, job: Job, requested_by, remote_addr: str | None = None) -> Comma
     if not job.is_active:
         raise ActionError(f"job #{job.pk} is already {job.status}")
     cmd = _trainer_command(job=job, kind=CommandKind.STOP, actor=requested_by, remote_addr=remote_addr)
-    launcher_port.request("stop", job_id=job.pk, command_id=cmd.pk, countdown=launcher_port.TRAINER_STOP_GRACE_S)
+    launcher_port.request("stop", job_id=job.pk, command_id=cmd.pk,
+                          countdown=launcher_port.TRAINER_STOP_GRACE_S)
     return cmd
 
 

@@ -129,7 +129,8 @@ def mark_overdue(now: datetime | None = None, *, store: hb_store.HeartbeatStore 
     return n
 
 
-def _mark_job_lost(job: Job, ranks: list[int], now: datetime, store: hb_store.HeartbeatStore) -> tuple[int, set[int]]:
+def _mark_job_lost(job: Job, ranks: list[int], now: datetime,
+                   store: hb_store.HeartbeatStore) -> tuple[int, set[int]]:
     """Record a fault for, and claim, the ranks that ``health.rank_health`` finds lost (by the store's
     freshest beat: the rows are the flush's to write, never the watchdog's). Returns (faults recorded,
     ranks settled). A lost rank whose row the flush has not written yet gets its fault now (its
@@ -142,7 +143,8 @@ def _mark_job_lost(job: Job, ranks: list[int], now: datetime, store: hb_store.He
         fresh = {}
     timeouts = hb_store.Timeouts.of(job.spec)
     rows = {r.rank: r for r in Rank.objects.filter(job=job, rank__in=ranks)}
-    views = {r: health.current(rows.get(r) or Rank(job=job, rank=r), fresh.get(r), timeouts, now) for r in ranks}
+    views = {r: health.current(rows.get(r) or Rank(job=job, rank=r), fresh.get(r), timeouts, now)
+             for r in ranks}
     lost = sorted(r for r, v in views.items() if v.lost_at is None and v.health_at(now) == RankHealth.LOST)
     if not lost:
         return 0, set(ranks)
@@ -155,11 +157,13 @@ def _mark_job_lost(job: Job, ranks: list[int], now: datetime, store: hb_store.He
             age = (now - r.last_heartbeat_at).total_seconds() if r.last_heartbeat_at else 0.0
             key = f"heartbeat_lost:{rank}:{int(r.stale_at.timestamp() * 1000) if r.stale_at else 0}"
             faults[key] = Fault(
-                job=job, fault_class=FaultClass.HEARTBEAT_LOST, rank=rank, node=r.node, detected_by="watchdog",
+                job=job, fault_class=FaultClass.HEARTBEAT_LOST, rank=rank, node=r.node,
+                detected_by="watchdog",
                 message=f"no heartbeat from rank {rank} for {age:.1f} s (phase {r.phase}, "
                         f"deadline {r.stale_at.isoformat() if r.stale_at else '-'})",
                 at=r.last_heartbeat_at or now, detected_at=now, source_key=key)
-        known = set(Fault.objects.filter(job=job, source_key__in=list(faults)).values_list("source_key", flat=True))
+        known = set(Fault.objects.filter(job=job, source_key__in=list(faults))
+                    .values_list("source_key", flat=True))
         new = [f for k, f in faults.items() if k not in known]
         Fault.objects.bulk_create(new, ignore_conflicts=True)
     if new:
@@ -252,7 +256,8 @@ def _stop_storm(job_id: int, count: int, now: datetime) -> int:
 def request_stop(job_id: int, *, reason: str) -> None:
     """Ask the launcher to end the job's processes: a stop command row (its outbox, carried out even if the
     nudge is lost) written in the caller's transaction, and a nudge once it commits."""
-    cmd = Command.objects.create(job_id=job_id, kind=CommandKind.STOP, via_trainer=False, detail=reason[:2000])
+    cmd = Command.objects.create(job_id=job_id, kind=CommandKind.STOP, via_trainer=False,
+                                 detail=reason[:2000])
     launcher_port.request("stop", job_id=job_id, command_id=cmd.pk)
 
 

@@ -203,14 +203,15 @@ def carry_out_stops(now: datetime | None = None) -> int:
     trainer's grace period, and only while the job is still active. Stopping is idempotent, so a pass
     that races the task does no harm. Returns how many stops it carried out."""
     now = now or timezone.now()
+    trainer_due = now - STOP_BACKSTOP_AFTER - timedelta(seconds=TRAINER_STOP_GRACE_S)
     overdue = (Command.objects.filter(kind=CommandKind.STOP)
                .exclude(status__in=(CommandStatus.DONE, CommandStatus.FAILED))
                .filter(Q(via_trainer=False, issued_at__lte=now - STOP_BACKSTOP_AFTER)
-                       | Q(via_trainer=True, job__status__in=ACTIVE_STATUSES,
-                           issued_at__lte=now - STOP_BACKSTOP_AFTER - timedelta(seconds=TRAINER_STOP_GRACE_S))))
+                       | Q(via_trainer=True, job__status__in=ACTIVE_STATUSES, issued_at__lte=trainer_due)))
     n = 0
     for cmd in overdue.only("pk", "job_id"):
-        log.warning("job %s: stop command %s was not carried out by its task; stopping now", cmd.job_id, cmd.pk)
+        log.warning("job %s: stop command %s was not carried out by its task; stopping now",
+                    cmd.job_id, cmd.pk)
         try:
             stop_job_now(job_id=cmd.job_id, command_id=cmd.pk)
         except Exception:  # one broken job must not stop the others' stops

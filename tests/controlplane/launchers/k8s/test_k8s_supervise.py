@@ -182,8 +182,8 @@ def test_it_fails_a_launch_that_never_started(cluster):
     assert job.status == JobStatus.FAILED and "could not start attempt 0" in job.status_reason
 
 
-def test_a_storm_stop_whose_task_never_ran_is_carried_out_by_the_supervise_pass(cluster,
-                                                                               django_capture_on_commit_callbacks):
+def test_a_storm_stop_whose_task_never_ran_is_carried_out_by_the_supervise_pass(
+        cluster, django_capture_on_commit_callbacks):
     job, _ = launched(cluster)
     with django_capture_on_commit_callbacks(execute=False):  # the nudge is lost (no broker)
         job_services.set_status(job, JobStatus.FAILED, "restart storm")
