@@ -18,9 +18,9 @@ def env_bool(name: str, default: bool) -> bool:
     raw = os.environ.get(name)
     if raw is None or raw == "":
         return default
-    if raw.lower() in ("true", "1", "yes"):
+    if raw.lower() == "true":
         return True
-    if raw.lower() in ("false", "0", "no"):
+    if raw.lower() == "false":
         return False
     raise ImproperlyConfigured(f"{name}={raw!r}: use true or false")
 
