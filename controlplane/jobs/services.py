@@ -123,14 +123,14 @@ def inject_fault(*, job: Job, fault: str, rank: int, requested_by, remote_addr: 
                             actor=requested_by, remote_addr=remote_addr)
 
 
-def stop_job(*, job: Job, requested_by, remote_addr: str | None = None) -> Command:
+def stop_job(*, job: Job, requested_by, remote_addr: str | None = None,
+             grace_s: float = launcher_port.TRAINER_STOP_GRACE_S) -> Command:
     """Graceful stop: the trainer saves a final checkpoint and exits; the launcher ends what is left
-    after ``launcher_port.TRAINER_STOP_GRACE_S``."""
+    after ``grace_s``."""
     if not job.is_active:
         raise ActionError(f"job #{job.pk} is already {job.status}")
     cmd = _trainer_command(job=job, kind=CommandKind.STOP, actor=requested_by, remote_addr=remote_addr)
-    launcher_port.request("stop", job_id=job.pk, command_id=cmd.pk,
-                          countdown=launcher_port.TRAINER_STOP_GRACE_S)
+    launcher_port.request("stop", job_id=job.pk, command_id=cmd.pk, countdown=grace_s)
     return cmd
 
 
