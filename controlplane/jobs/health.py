@@ -8,7 +8,6 @@ step clock; written only by the flush) and the store's newest beat, which may be
 
 from __future__ import annotations
 
-import copy
 from datetime import datetime
 
 from controlplane.jobs.heartbeats import RankState, Timeouts, utc
@@ -20,24 +19,24 @@ def current(row: Rank, fresh: RankState | None, timeouts: Timeouts, now: datetim
     """``row`` moved forward to ``fresh`` (an unsaved copy), or ``row`` itself when ``fresh`` is not newer."""
     if fresh is None or (row.last_heartbeat_at is not None and fresh.at <= row.last_heartbeat_at.timestamp()):
         return row
-    r = copy.copy(row)
     deadline = timeouts.deadline(fresh.phase, fresh.at)
     same_step = row.last_step == fresh.step
-    r.node, r.pid, r.phase = fresh.node, fresh.pid, fresh.phase
-    r.last_heartbeat_at, r.loss = utc(fresh.at), fresh.loss
-    r.step_time_s, r.tokens_per_s = fresh.step_time_s, fresh.tokens_per_s
-    r.stale_at = None if deadline is None else utc(deadline)
+    d = row.__dict__.copy()  # a plain attribute copy: copy.copy goes through pickling (~100 us a rank)
+    d.update(node=fresh.node, pid=fresh.pid, phase=fresh.phase, last_heartbeat_at=utc(fresh.at), loss=fresh.loss,
+             step_time_s=fresh.step_time_s, tokens_per_s=fresh.tokens_per_s, last_step=fresh.step,
+             stale_at=None if deadline is None else utc(deadline))
     if not (same_step and row.step_changed_at is not None):
-        r.step_changed_at = utc(fresh.step_since)
+        d["step_changed_at"] = utc(fresh.step_since)
     if fresh.phase != Phase.TRAIN:
-        r.stall_at = None
+        d["stall_at"] = None
     elif not (same_step and row.stall_at is not None):
-        r.stall_at = utc(fresh.step_since + timeouts.stall_s)
+        d["stall_at"] = utc(fresh.step_since + timeouts.stall_s)
     if deadline is None or deadline > now.timestamp():
-        r.lost_at = None
+        d["lost_at"] = None
     if not same_step:
-        r.stalled_at = None
-    r.last_step = fresh.step
+        d["stalled_at"] = None
+    r = Rank.__new__(Rank)
+    r.__dict__ = d
     return r
 
 
