@@ -16,8 +16,9 @@ from django.db.models import Count, Max, Q
 
 from controlplane.dashboard import charts
 from controlplane.dashboard.timeline import job_spans, rank_spans, ts
-from controlplane.jobs import figures
+from controlplane.jobs import figures, health
 from controlplane.jobs.goodput import PARTS, Epoch
+from controlplane.jobs.heartbeats import Timeouts
 from controlplane.jobs.models import (
     AuditEntry,
     Checkpoint,
@@ -174,9 +175,15 @@ def lanes_for(job: Job, now: datetime) -> list[dict]:
     if cached is not None:
         return cached
     ranks = {r.rank: r for r in Rank.objects.filter(job=job)}
+    ids = sorted(set(range(job.world_size)) | set(ranks))
+    # Each row moved forward to the heartbeat store's newest beat, judged by the watchdog's own rule.
+    fresh = figures.freshest(job, ids) if job.is_active else {}
+    timeouts = Timeouts.of(job.spec)
     lanes = []
-    for i in sorted(set(range(job.world_size)) | set(ranks)):
+    for i in ids:
         r = ranks.get(i)
+        if i in fresh:
+            r = health.current(r or Rank(job=job, rank=i), fresh[i], timeouts, now)
         lanes.append({"rank": i, "node": r.node if r else "", "row": r})
     lanes.sort(key=lambda ln: (ln["node"], ln["rank"]))
     job._dashboard_lanes = lanes

@@ -13,6 +13,7 @@ from datetime import datetime
 
 from django.db.models import Count
 
+from controlplane.jobs import health, heartbeats
 from controlplane.jobs.models import Event, Fault, Job, Rank, RestartCycle
 from trainer.wire import CheckpointState, EventKind
 
@@ -109,11 +110,9 @@ class RankFigures:
     pid: int | None
 
 
-def _freshest(job: Job, ranks: list[int]) -> dict:
+def freshest(job: Job, ranks: list[int]) -> dict:
     """Newer heartbeats than the Rank rows hold (the Redis store writes rows on its flush); {} otherwise."""
     try:
-        from controlplane.jobs import heartbeats
-
         return heartbeats.get_store().freshest(job.pk, ranks)
     except Exception:  # noqa: BLE001 - the rows are the fallback: a store hiccup must not break a reader
         return {}
@@ -124,21 +123,19 @@ def rank_figures(job: Job, rows: Iterable[Rank | tuple[int, None]], now: datetim
     job's world that has no row yet. Heartbeat facts come from the store when it holds newer ones."""
     rows = list(rows)
     numbers = [r.rank if isinstance(r, Rank) else r[0] for r in rows]
-    fresh = _freshest(job, numbers) if job.is_active and numbers else {}
+    fresh = freshest(job, numbers) if job.is_active and numbers else {}
+    timeouts = heartbeats.Timeouts.of(job.spec)
     out = []
     for r, n in zip(rows, numbers, strict=True):
         if not isinstance(r, Rank):
             out.append(RankFigures(rank=n, node="", health=UNKNOWN, hb_at=None, phase=None, step=None,
                                    loss=None, step_time_s=None, pid=None))
             continue
+        r = health.current(r, fresh.get(r.rank), timeouts, now)  # the watchdog's own rule
         hb_at = r.last_heartbeat_at.timestamp() if r.last_heartbeat_at else None
-        phase, step, loss, step_time_s = r.phase, r.last_step, r.loss, r.step_time_s
-        st = fresh.get(r.rank)
-        if st is not None and (hb_at is None or st.at > hb_at):
-            hb_at, phase, step, loss, step_time_s = st.at, st.phase, st.step, st.loss, st.step_time_s
-        health = r.health_at(now) if job.is_active else "stopped"
-        out.append(RankFigures(rank=r.rank, node=r.node, health=health, hb_at=hb_at, phase=phase, step=step,
-                               loss=loss, step_time_s=step_time_s, pid=r.pid))
+        out.append(RankFigures(rank=r.rank, node=r.node, health=r.health_at(now) if job.is_active else "stopped",
+                               hb_at=hb_at, phase=r.phase, step=r.last_step, loss=r.loss,
+                               step_time_s=r.step_time_s, pid=r.pid))
     return out
 
 

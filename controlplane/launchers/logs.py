@@ -19,7 +19,7 @@ def log_tail(job: Job, *, max_bytes: int = TAIL_BYTES) -> LogTail:
     if job.backend != "local":
         return LogTail(None, f"log tails are kept for local jobs; see the {job.backend} backend's logs")
     try:
-        from controlplane.launchers.base import get_launcher
+        from controlplane.launchers.backends import get_launcher
 
         text = get_launcher(job.backend).log_tail(job, max_bytes=max_bytes)
     except Exception as e:  # noqa: BLE001 - the log is optional to its readers: say why, never fail them

@@ -125,7 +125,7 @@ current-context: fake
 def test_it_builds_the_launcher_from_settings(settings):
     settings.KUBECONFIG = "/nowhere/kubeconfig"
     settings.UNBROKEN_K8S_INGEST_URL = "http://unbroken-web.unbroken.svc.cluster.local:8000"
-    from controlplane.launchers.base import get_launcher
+    from controlplane.launchers.backends import get_launcher
     launcher = get_launcher("kubernetes")
     assert (launcher.kubeconfig, launcher.ingest_url) == ("/nowhere/kubeconfig", settings.UNBROKEN_K8S_INGEST_URL)
     assert "no usable Kubernetes configuration" in launcher.preflight(make_job())[0]
