@@ -36,6 +36,7 @@ dirty; every other job keeps flushing, and the flush never raises out of its loo
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -47,6 +48,7 @@ import orjson
 from django.conf import settings
 from django.db import connection, transaction
 
+from controlplane.jobs.spec import JobSpec
 from trainer import wire
 from trainer.wire import Heartbeat, Phase
 
@@ -56,6 +58,7 @@ _STOPPED = Phase.STOPPED.value
 _TRAIN = Phase.TRAIN.value
 _SLOW_PHASES = frozenset(p.value for p in wire.SLOW_PHASES)
 _SLOW_OR_STOPPED = _SLOW_PHASES | {_STOPPED}
+_SPEC_DEFAULTS = {f.name: f.default for f in dataclasses.fields(JobSpec)}
 
 
 def utc(ts: float) -> datetime:
@@ -72,9 +75,11 @@ class Timeouts:
 
     @classmethod
     def of(cls, spec: dict) -> Timeouts:
-        return cls(step_s=float(spec.get("step_timeout_s", 30.0)),
-                   checkpoint_s=float(spec.get("checkpoint_timeout_s", 300.0)),
-                   stall_s=float(spec.get("stall_timeout_s", 120.0)))
+        # The defaults are JobSpec's (one definition); the stored dict is read as is (no parse per batch).
+        d = _SPEC_DEFAULTS
+        return cls(step_s=float(spec.get("step_timeout_s", d["step_timeout_s"])),
+                   checkpoint_s=float(spec.get("checkpoint_timeout_s", d["checkpoint_timeout_s"])),
+                   stall_s=float(spec.get("stall_timeout_s", d["stall_timeout_s"])))
 
     def deadline(self, phase: str, at: float) -> float | None:
         """A rank's deadline in unix seconds: ``wire.SLOW_PHASES`` get the checkpoint timeout; a stopped

@@ -212,7 +212,7 @@ def _mark_job_stalled(job_id: int, ranks: list[int], now: datetime) -> int:
         notifications.enqueue(
             job, Notification.Transition.STALLED, f"stalled:{progress:.3f}",
             f"Job #{job.pk} {job.name} is stalled: {len(claimed)} rank(s) alive but stuck at step {step} "
-            f"for over {float(job.spec.get('stall_timeout_s', 120.0)):.0f} s.", now=now)
+            f"for over {job.job_spec.stall_timeout_s:.0f} s.", now=now)
     return len(claimed)
 
 
@@ -238,7 +238,7 @@ def stop_storms(now: datetime | None = None) -> int:
 
 def _stop_storm(job_id: int, count: int, now: datetime) -> int:
     job = Job.objects.get(pk=job_id)
-    limit = int(job.spec.get("storm_restarts", 5))
+    limit = job.job_spec.storm_restarts
     if count < limit:
         return 0
     reason = (f"restart storm: {count} restarts without step progress past step {job.max_step} "
