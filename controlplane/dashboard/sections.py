@@ -15,6 +15,7 @@ from django.core.paginator import Paginator
 from django.db.models import Count, Max, Q
 
 from controlplane.dashboard import charts
+from controlplane.dashboard.timeline_figure import timeline_figure
 from controlplane.dashboard.timeline import job_spans, rank_spans, ts
 from controlplane.jobs.goodput import PARTS, Epoch
 from controlplane.jobs.models import (
@@ -307,7 +308,7 @@ def timeline_part(
             "issued_by"
         )
     ]
-    fig = charts.timeline_figure(
+    fig = timeline_figure(
         lanes=lanes,
         spans=spans,
         faults=faults,
