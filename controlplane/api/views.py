@@ -118,7 +118,20 @@ def job_detail(request: HttpRequest, job_id: int) -> JsonResponse:
     _, err = _authorise(request, act=False)
     if err:
         return err
-    return JsonResponse(job_json(get_object_or_404(Job, pk=job_id)))
+    job = get_object_or_404(Job, pk=job_id)
+    nodes = job.rank_nodes()
+    faults = job.faults.select_related("cycle").order_by("-at", "-id")[:API_FAULTS]
+    return JsonResponse({**job_json(job), "faults": [fault_json(f, nodes) for f in faults]})
+
+
+API_FAULTS = 100  # the newest faults; the job page pages through all of them
+
+
+def fault_json(f, nodes: dict[int, str]) -> dict:
+    """A fault with its outcome (detection, recovery, steps lost) as the job page shows it."""
+    return {"at": f.at.isoformat(), "detected_at": f.detected_at.isoformat(), "rank": f.rank,
+            "fault_class": f.fault_class, "detected_by": f.detected_by, "message": f.message,
+            **f.outcome(rank_nodes=nodes).as_dict()}
 
 
 @csrf_exempt

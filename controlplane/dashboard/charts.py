@@ -10,8 +10,10 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 
+from controlplane.jobs.models import LAYER_WORDS
+
 MAX_POINTS = 600
-LAYER_NAMES = {"in_process": "in-process", "in_job": "in-job", "job": "whole job", "none": "none (stopped)"}
+LAYER_NAMES = LAYER_WORDS
 BASE_LAYOUT = {
     "margin": {"l": 120, "r": 30, "t": 40, "b": 50},
     "font": {"family": "system-ui, -apple-system, Segoe UI, Roboto, sans-serif", "size": 12},

@@ -200,7 +200,8 @@ def _cycle_dicts(job: Job, lo: datetime | None = None, hi: datetime | None = Non
                 "id": c.pk,
                 "key": c.key,
                 "layer": c.layer,
-                "reason": c.reason + (f" · gave up: escalated to {c.escalated_to}" if c.escalated_to else ""),
+                "title": c.title,
+                "reason": c.reason + (" · this layer gave up; a later restart took over" if c.escalated_to else ""),
                 "fault_at": ts(c.fault_at),
                 "detected_at": ts(c.detected_at),
                 "aborted_at": ts(c.aborted_at),
@@ -249,30 +250,10 @@ def timeline_part(
     in_view = (
         Q(at__gte=lo) | Q(detected_at__gte=lo) | Q(cycle__isnull=False, cycle__first_step_at__isnull=True)
     )
+    nodes = {ln["rank"]: ln["node"] for ln in lanes if ln["node"]}
     faults = [
-        {
-            "at": at,
-            "detected_at": det,
-            "rank": rank,
-            "node": node,
-            "fault_class": cls,
-            "cycle_id": cid,
-            "detected_by": by,
-            "message": msg,
-            "detection_s": max(0.0, det - at),
-        }
-        for at, det, rank, node, cls, cid, by, msg in Fault.objects.filter(in_view, job=job, at__lte=hi)
-        .order_by("at", "id")
-        .values_list(
-            Epoch("at"),
-            Epoch("detected_at"),
-            "rank",
-            "node",
-            "fault_class",
-            "cycle_id",
-            "detected_by",
-            "message",
-        )
+        fault_dict(f, nodes)
+        for f in Fault.objects.filter(in_view, job=job, at__lte=hi).select_related("cycle").order_by("at", "id")
     ]
     ranks = [
         {
@@ -322,6 +303,20 @@ def timeline_part(
     fig["start_ms"] = charts.ms(job_start)
     fig["active"] = is_open
     return fig
+
+
+def fault_dict(f: Fault, nodes: dict[int, str]) -> dict:
+    """A fault for the timeline, with its outcome from the one place that computes it."""
+    return {
+        "at": ts(f.at),
+        "detected_at": ts(f.detected_at),
+        "rank": f.rank,
+        "fault_class": f.fault_class,
+        "cycle_id": f.cycle_id,
+        "detected_by": f.detected_by,
+        "message": f.message,
+        **f.outcome(rank_nodes=nodes).as_dict(),
+    }
 
 
 def command_summary(c: Command) -> str:
@@ -395,21 +390,18 @@ def faults_part(job: Job, params) -> dict:
         except ValueError:
             chosen["rank"] = ""
     page = Paginator(qs, FAULTS_PER_PAGE).get_page(params.get("page"))
+    nodes = job.rank_nodes()
     rows = []
     for f in page.object_list:
-        c = f.cycle
+        o = f.outcome(rank_nodes=nodes)
         rows.append(
             {
                 "f": f,
-                "layer": (charts.LAYER_NAMES.get(c.layer, c.layer)
-                          + (f" → escalated ({c.escalated_to})" if c.escalated_to else "")) if c else "",
-                "detection": charts.fmt_s(
-                    c.detection_s if c and c.detection_s is not None else f.detection_s
-                ),
-                "recovery": charts.fmt_s(c.recovery_s)
-                if c and c.recovery_s is not None
-                else ("in progress" if c else "–"),
-                "lost": f.lost_steps if f.lost_steps is not None else (c.lost_steps if c else None),
+                "node": o.node,
+                "layer": layer_words(o.layer, o.escalated_to),
+                "detection": charts.fmt_s(o.detection_s),
+                "recovery": recovery_words(o),
+                "lost": o.lost_steps,
             }
         )
     classes = sorted(set(Fault.objects.filter(job=job).values_list("fault_class", flat=True).distinct()))
@@ -421,6 +413,18 @@ def faults_part(job: Job, params) -> dict:
         "layers": [(v.value, charts.LAYER_NAMES[v.value]) for v in Layer],
         "ranks": range(job.world_size),
     }
+
+
+def layer_words(layer: str, escalated_to: str = "") -> str:
+    if not layer:
+        return ""
+    return charts.LAYER_NAMES.get(layer, layer) + (" → handed on to a later restart" if escalated_to else "")
+
+
+def recovery_words(o) -> str:
+    if o.recovery_s is not None:
+        return charts.fmt_s(o.recovery_s)
+    return "in progress" if o.recovering else "–"
 
 
 GOODPUT_LABELS = {

@@ -228,7 +228,7 @@ def timeline_figure(
                 "textfont": {"size": 10},
                 "marker": {"symbol": "diamond", "size": 11, "color": LAYER_COLORS.get(layer, "#7f7f7f")},
                 "customdata": [
-                    f"<b>restart cycle {c['key']}</b> · layer {LAYER_NAMES.get(layer, layer)}"
+                    f"<b>{c['title']}</b> at {hms(c['start'])} UTC"
                     f"{'<br>' + c['reason'] if c['reason'] else ''}<br>"
                     + " · ".join(f"{k.replace('_', ' ')} {fmt_s(v)}" for k, v in dd.items())
                     + f"<br>recovery {fmt_s(c['recovery_s']) if c['first_step_at'] else 'in progress'}"
@@ -265,7 +265,8 @@ def timeline_figure(
                 "customdata": [
                     f"<b>fault: {cls}</b> · rank {f['rank'] if f['rank'] is not None else '–'}"
                     f"{' (' + f['node'] + ')' if f['node'] else ''}<br>at {hms(f['at'])} UTC · detected by "
-                    f"{f['detected_by']} after {fmt_s(f['detection_s'])}<br>{(f['message'] or '')[:160]}"
+                    f"{f['detected_by']} after {fmt_s(f['detection_s'])}"
+                    f"{'<br>' + fault_outcome_words(f) if f['layer'] else ''}<br>{(f['message'] or '')[:160]}"
                     for f in items
                 ],
                 "hovertemplate": "%{customdata}<extra></extra>",
@@ -307,16 +308,28 @@ def timeline_figure(
                 }
             )
         prev = ln["node"]
-    ticktext = ["job"] + [f"r{ln['rank']} · {ln['node'] or '?'}" for ln in lanes]
+    # A rank's node shows once its first heartbeat names it; until then the lane is just the rank.
+    ticktext = ["job"] + [f"r{ln['rank']} · {ln['node']}" if ln["node"] else f"r{ln['rank']}" for ln in lanes]
+    plot_height = plot_height_for(n)
     layout = {
         **BASE_LAYOUT,
-        "height": min(1150, 210 + 18 * (n + 1)),
+        # The page keeps the plot area at plot_height whatever the legend takes (job.js keepPlotHeight);
+        # this first guess leaves room for a legend of about three rows.
+        "height": plot_height + LEGEND_GUESS_PX + 40,
         "barmode": "overlay",
         "bargap": 0,
         "dragmode": "zoom",
         "uirevision": "timeline",
         "showlegend": True,
-        "legend": {"orientation": "h", "x": 0, "y": 1.0, "yanchor": "bottom", "font": {"size": 11}},
+        # Entries flow in rows ("normal" order; grouped legends stack each group as a tall column).
+        "legend": {
+            "orientation": "h",
+            "traceorder": "normal",
+            "x": 0,
+            "y": 1.0,
+            "yanchor": "bottom",
+            "font": {"size": 11},
+        },
         "xaxis": {
             "type": "date",
             "range": [ms(t0), ms(t1)],
@@ -333,8 +346,33 @@ def timeline_figure(
             "range": [n + 0.6, -0.6],
         },
         "shapes": shapes,
-        "margin": {"l": 130, "r": 20, "t": 60, "b": 40},
+        "margin": {"l": 130, "r": 20, "t": 30, "b": 40},
     }
-    return {"figure": {"data": traces, "layout": layout}, "open": open_points, "now_ms": ms(now)}
+    return {
+        "figure": {"data": traces, "layout": layout},
+        "open": open_points,
+        "now_ms": ms(now),
+        "plot_height": plot_height,
+    }
+
+
+LEGEND_GUESS_PX = 70
+
+
+def fault_outcome_words(f: dict) -> str:
+    """The recovery part of a fault's hover, from the same outcome as the fault table's row."""
+    layer = LAYER_NAMES.get(f["layer"], f["layer"])
+    if f["recovery_s"] is not None:
+        rec = f"recovered by the {layer} layer in {fmt_s(f['recovery_s'])}"
+    else:
+        rec = f"{layer} restart in progress" if f["recovering"] else f"handled by the {layer} layer"
+    return rec + (f" · steps lost {f['lost_steps']}" if f["lost_steps"] is not None else "")
+
+
+def plot_height_for(lanes: int) -> int:
+    """Pixels of the plot area for ``lanes`` rank lanes plus the job lane: roomy for a few ranks,
+    compact (but readable) for many."""
+    per_lane = 26 if lanes <= 8 else 18 if lanes <= 32 else 14
+    return max(140, per_lane * (lanes + 1))
 
 

@@ -350,7 +350,8 @@ def _cycle_status(job: Job, touched: dict[str, RestartCycle], now: datetime) -> 
         c = max(opened, key=lambda c: c.start_at)
         superseded = RestartCycle.objects.filter(job=job, first_step_at__gt=c.start_at).exists()
         if not superseded:
-            set_status(job, JobStatus.RECOVERING, f"restart cycle {c.key} ({c.layer})",
+            why = f" after {c.reason}" if c.reason else ""
+            set_status(job, JobStatus.RECOVERING, f"recovering: {c.title}{why}"[:500],
                        only_from=(JobStatus.RUNNING,))
     if closed:
         c = max(closed, key=lambda c: c.first_step_at)
@@ -360,12 +361,13 @@ def _cycle_status(job: Job, touched: dict[str, RestartCycle], now: datetime) -> 
             | Q(fault_at__isnull=True, detected_at__isnull=True, aborted_at__gt=c.first_step_at)
             | Q(fault_at__isnull=True, detected_at__isnull=True, aborted_at__isnull=True,
                 restarted_at__gt=c.first_step_at)).exists()
-        if not still_open and set_status(job, JobStatus.RUNNING, f"recovered ({c.key}, {c.layer})",
+        took = f" in {c.recovery_s:.1f} s" if c.recovery_s is not None else ""
+        if not still_open and set_status(job, JobStatus.RUNNING, f"recovered by {'an' if c.title[0] in 'aeiou' else 'a'} {c.title}{took}",
                                          only_from=(JobStatus.RECOVERING,)):
             recovery = f" in {c.recovery_s:.1f} s" if c.recovery_s is not None else ""
             notifications.enqueue(job, Notification.Transition.RECOVERED, f"recovered:{c.key}",
                                   f"Job #{job.pk} {job.name} recovered{recovery} "
-                                  f"({c.layer} restart {c.key}); training continues.", now=now)
+                                  f"({c.title}); training continues.", now=now)
 
 
 def _close_escalated(job: Job, recovered: RestartCycle) -> None:

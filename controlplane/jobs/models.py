@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import secrets
+from dataclasses import dataclass
 from datetime import datetime
 
 from django.conf import settings
@@ -35,6 +36,9 @@ class JobStatus(models.TextChoices):
     FAILED = "failed"
     STOPPED = "stopped"
 
+
+# How people call the restart layers (reasons, hovers, tables).
+LAYER_WORDS = {"in_process": "in-process", "in_job": "in-job", "job": "whole job", "none": "none (stopped)"}
 
 ACTIVE_STATUSES = (JobStatus.PENDING, JobStatus.LAUNCHING, JobStatus.RUNNING, JobStatus.RECOVERING)
 FINAL_STATUSES = (JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.STOPPED)
@@ -99,6 +103,10 @@ class Job(models.Model):
 
     def token_matches(self, token: str) -> bool:
         return hmac.compare_digest(self.token_hash, hash_token(token))
+
+    def rank_nodes(self) -> dict[int, str]:
+        """rank -> the node its heartbeats named (ranks that named none are left out)."""
+        return dict(self.ranks.exclude(node="").values_list("rank", "node"))
 
     def goodput(self, now: datetime | None = None) -> dict[str, float]:
         from controlplane.jobs.goodput import compute_goodput
@@ -239,6 +247,13 @@ class RestartCycle(models.Model):
         return self.fault_at or self.detected_at or self.aborted_at or self.restarted_at
 
     @property
+    def title(self) -> str:
+        """The cycle in words ("in-job restart"); its key (``a0-ij1``) is an internal id."""
+        if self.layer == Layer.NONE:
+            return "restart (layer not known yet)"
+        return f"{LAYER_WORDS.get(self.layer, self.layer)} restart"
+
+    @property
     def recovery_s(self) -> float | None:
         if self.first_step_at and self.start_at:
             return max(0.0, (self.first_step_at - self.start_at).total_seconds())
@@ -252,9 +267,7 @@ class RestartCycle(models.Model):
 
     @property
     def lost_steps(self) -> int | None:
-        if self.step_at_fault is not None and self.resumed_from_step is not None:
-            return max(0, self.step_at_fault - self.resumed_from_step)
-        return None
+        return steps_lost(self.step_at_fault, self.resumed_from_step)
 
     def durations(self) -> dict[str, float | None]:
         """Seconds spent in each phase of the cycle: detect, abort, restart, reload, first step."""
@@ -265,6 +278,32 @@ class RestartCycle(models.Model):
         for name, a, b in zip(names, marks, marks[1:], strict=False):
             out[name] = max(0.0, (b - a).total_seconds()) if a and b else None
         return out
+
+
+def steps_lost(step_at_fault: int | None, resumed_from_step: int | None) -> int | None:
+    """Steps a recovery threw away: the one definition (cycles, faults, goodput and the API read it)."""
+    if step_at_fault is not None and resumed_from_step is not None:
+        return max(0, step_at_fault - resumed_from_step)
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class FaultOutcome:
+    """What became of a fault, computed once (``Fault.outcome``) for every view: the fault table, the
+    timeline's marker and cycle hovers, and the API."""
+
+    detection_s: float | None  # fault -> detected (by its restart cycle's layer when it has one)
+    recovery_s: float | None  # fault -> first step after it; None without a cycle or while recovering
+    recovering: bool  # its restart cycle is still open
+    lost_steps: int | None
+    layer: str  # the layer that handled it ("" without a cycle)
+    escalated_to: str  # the cycle that finished the recovery when this layer gave up
+    node: str  # the fault's node, else the node its rank reported
+
+    def as_dict(self) -> dict:
+        return {"detection_s": self.detection_s, "recovery_s": self.recovery_s, "recovering": self.recovering,
+                "lost_steps": self.lost_steps, "layer": self.layer, "escalated_to": self.escalated_to,
+                "node": self.node}
 
 
 class Fault(models.Model):
@@ -289,6 +328,25 @@ class Fault(models.Model):
     @property
     def detection_s(self) -> float:
         return max(0.0, (self.detected_at - self.at).total_seconds())
+
+    def outcome(self, *, rank_nodes: dict[int, str] | None = None) -> FaultOutcome:
+        """Detection, recovery and steps lost, the way every view shows them. A fault inside a restart
+        cycle was detected when its cycle's layer detected it (the cycle's own ``detected`` mark, the
+        same figure as the cycle's "detect" phase); a fault without a cycle (a watchdog finding) when
+        its row says. ``rank_nodes`` (rank -> node) names the node when the fault did not."""
+        c = self.cycle
+        detection = c.detection_s if c is not None and c.detection_s is not None else self.detection_s
+        lost = c.lost_steps if c is not None else self.lost_steps  # the cycle's hover shows the same
+        node = self.node or ((rank_nodes or {}).get(self.rank, "") if self.rank is not None else "")
+        return FaultOutcome(
+            detection_s=detection,
+            recovery_s=c.recovery_s if c is not None else None,
+            recovering=c is not None and c.recovery_s is None,
+            lost_steps=lost,
+            layer=c.layer if c is not None else "",
+            escalated_to=c.escalated_to if c is not None else "",
+            node=node,
+        )
 
 
 class Checkpoint(models.Model):
