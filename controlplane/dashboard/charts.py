@@ -190,16 +190,17 @@ def checkpoint_figure(rows: list[dict]) -> dict:
 # -- progress: steps, throughput, loss -----------------------------------------------------------
 
 
-def progress_figure(points: list[tuple[float, int]]) -> dict:
-    """Step over time with steps/s between samples (right axis). ``points``: (unix s, step), sorted."""
+def progress_figure(points: list[tuple[float, int]], rates: list[tuple[float, float]]) -> dict:
+    """Step over time (``points``: (unix s, step), sorted) and throughput on the right axis from the
+    trainer's own step times (``rates``: (unix s, seconds per step) from training samples). Throughput is
+    never a step delta between points: across a rollback that would draw the restart as speed."""
     if len(points) > MAX_POINTS:
         stride = len(points) / MAX_POINTS
         points = [points[int(i * stride)] for i in range(MAX_POINTS)] + [points[-1]]
-    rate_x, rate_y = [], []
-    for (ta, sa), (tb, sb) in zip(points, points[1:], strict=False):
-        if tb > ta and sb >= sa:
-            rate_x.append(ms(tb))
-            rate_y.append(round((sb - sa) / (tb - ta), 3))
+    rates = [(t, st) for t, st in rates if st and st > 0]
+    if len(rates) > MAX_POINTS:
+        stride = len(rates) / MAX_POINTS
+        rates = [rates[int(i * stride)] for i in range(MAX_POINTS)] + [rates[-1]]
     traces = [
         {
             "type": "scatter",
@@ -214,11 +215,11 @@ def progress_figure(points: list[tuple[float, int]]) -> dict:
         {
             "type": "scatter",
             "mode": "lines",
-            "name": "throughput (steps/s)",
-            "x": rate_x,
-            "y": rate_y,
+            "name": "throughput (steps/s, trainer's step time)",
+            "x": [ms(t) for t, _ in rates],
+            "y": [round(1.0 / st, 3) for _, st in rates],
             "yaxis": "y2",
-            "line": {"color": "#f28e2b", "shape": "hv"},
+            "line": {"color": "#f28e2b"},
             "hovertemplate": "%{y:.2f} steps/s<extra></extra>",
         },
     ]

@@ -35,6 +35,7 @@ FOLLOW_WINDOW_S = 600.0
 FAULTS_PER_PAGE = 25
 JOB_SECTIONS = (
     "header",
+    "actions",
     "timeline",
     "checkpoints",
     "faults",
@@ -94,6 +95,7 @@ def job_signatures(job: Job, now: datetime) -> dict[str, str]:
     tick = int(now.timestamp() // 5) if job.is_active else 0
     return {
         "header": _sig(status, job.last_step, tick),
+        "actions": _sig(job.is_active),
         "timeline": _sig(status, cyc_s, flt_s, ck_s, rank_health, tuple(cmd.values())),
         "checkpoints": _sig(ck_s),
         "faults": _sig(flt_s, cyc_s),
@@ -371,7 +373,8 @@ def checkpoint_part(job: Job) -> dict:
     counts = {s.value: 0 for s in CheckpointState}
     for r in rows:
         counts[r["state"]] = counts.get(r["state"], 0) + 1
-    return {"chart": charts.checkpoint_figure(rows), "counts": counts, "recent": list(reversed(rows[-8:]))}
+    return {"chart": charts.checkpoint_figure(rows), "counts": counts, "recent": list(reversed(rows[-8:])),
+            "total": len(rows)}
 
 
 FAULT_FILTERS = ("fault_class", "layer", "rank")
@@ -510,7 +513,9 @@ def ranks_part(job: Job, now: datetime) -> dict:
     for ln in lanes:
         r = ln["row"]
         if r is None:
-            rows.append({"rank": ln["rank"], "node": "", "health": "unknown", "age": None, "hb_at": None})
+            rows.append({"rank": ln["rank"], "node": "", "health": "waiting", "age": None, "hb_at": None,
+                         "why": "no heartbeat yet" + (": the job has not started training" if job.is_active
+                                                      else ": it never reported")})
             continue
         hb_at, phase, step, loss, step_time_s = (
             ts(r.last_heartbeat_at),
@@ -551,10 +556,10 @@ def progress_part(job: Job, now: datetime) -> dict:
     samples = list(
         TrainingSample.objects.filter(job=job)
         .order_by("-at")
-        .values_list(Epoch("at"), "step", "loss", "tokens_per_s")[:SAMPLES_SHOWN]
+        .values_list(Epoch("at"), "step", "loss", "tokens_per_s", "step_time_s")[:SAMPLES_SHOWN]
     )
     samples.reverse()
-    points: list[tuple[float, int]] = [(t, step) for t, step, _, _ in samples]
+    points: list[tuple[float, int]] = [(t, step) for t, step, _, _, _ in samples]
     if job.first_step_at:
         points.append((job.first_step_at.timestamp(), 1))
     points += [(r[0], r[7]) for r in _checkpoint_rows(job)]
@@ -569,9 +574,10 @@ def progress_part(job: Job, now: datetime) -> dict:
         points.append((job.last_progress_at.timestamp(), job.last_step))
     points.sort()
     return {
-        "progress": charts.progress_figure(points),
-        "loss": charts.loss_figure([(t, loss, tps) for t, _, loss, tps in samples]),
+        "progress": charts.progress_figure(points, [(t, st) for t, _, _, _, st in samples]),
+        "loss": charts.loss_figure([(t, loss, tps) for t, _, loss, tps, _ in samples]),
         "has_samples": bool(samples),
+        "has_progress": bool(points),
     }
 
 

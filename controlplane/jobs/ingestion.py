@@ -215,27 +215,39 @@ def _record(job: Job, beats: list[dict], events: list[Any], source: str, *, now:
 
 
 SAMPLE_INTERVAL_S = 2.0
-_last_sample: dict[int, float] = {}  # job id -> monotonic time of this process's last sample
+SAMPLE_SLOTS_KEPT = 4096  # per process: the recent (job, slot) pairs already sampled
+_sampled: dict[tuple[int, int], None] = {}  # insertion-ordered: the oldest are dropped first
 sample_failures = 0  # training samples this process could not store (logged each time)
 
 
 def _maybe_sample(job: Job, beats: list[dict], now: datetime) -> None:
-    """Keep one heartbeat (the lowest rank's) every SAMPLE_INTERVAL_S per job and process, for the
-    loss and throughput charts. Best effort: runs after the batch is stored and never raises, so it
-    can neither fail the batch nor turn a stored batch into an error."""
+    """Keep one train heartbeat (the lowest rank's) per job and ``SAMPLE_INTERVAL_S`` slot of the
+    trainer's own clock (the beat's ``at``), for the loss and throughput charts. Slots come from the
+    trainer's timestamps, not arrival: beats replayed late from a trainer's spool fill the slots of when
+    they happened. Best effort: runs after the batch is stored and never raises, so it can neither fail
+    the batch nor turn a stored batch into an error."""
     global sample_failures
     try:
-        t = time.monotonic()
-        if t - _last_sample.get(job.pk, -1e9) < SAMPLE_INTERVAL_S:
+        train = [b for b in beats if b["phase"] == Phase.TRAIN]
+        if not train:
             return
-        b = min(beats, key=lambda b: b["rank"])
-        if b["phase"] != Phase.TRAIN:
+        low = min(b["rank"] for b in train)
+        rows = {}
+        for b in sorted((b for b in train if b["rank"] == low), key=lambda b: b["at"]):
+            slot = (job.pk, int(b["at"] // SAMPLE_INTERVAL_S))
+            if slot in _sampled or slot in rows:
+                continue
+            rows[slot] = TrainingSample(job_id=job.pk, at=hb_store.utc(b["at"]), rank=b["rank"], step=b["step"],
+                                        loss=b.get("loss"), step_time_s=b.get("step_time_s"),
+                                        tokens_per_s=b.get("tokens_per_s"))
+        if not rows:
             return
-        _last_sample[job.pk] = t
         with transaction.atomic():  # a savepoint inside a caller's transaction: a failure leaves it usable
-            TrainingSample.objects.create(job_id=job.pk, at=hb_store.utc(b["at"]), rank=b["rank"],
-                                          step=b["step"], loss=b.get("loss"), step_time_s=b.get("step_time_s"),
-                                          tokens_per_s=b.get("tokens_per_s"))
+            TrainingSample.objects.bulk_create(list(rows.values()))
+        for slot in rows:
+            _sampled[slot] = None
+        while len(_sampled) > SAMPLE_SLOTS_KEPT:
+            del _sampled[next(iter(_sampled))]
     except Exception:  # noqa: BLE001 - a chart point is not worth an error answer
         sample_failures += 1
         log.warning("could not store a training sample for job %s (%d so far)", job.pk, sample_failures,
