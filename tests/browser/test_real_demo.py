@@ -37,7 +37,7 @@ def test_it_runs_the_demo_job_and_a_manual_restart_live(e2e_settings, celery_bea
         # The demo's first drill (an exception in rank 1) shows up live, then its in-process recovery.
         status = page.locator("[data-testid=job-status]")
         status.get_by_text("running").wait_for(timeout=120_000)
-        page.locator("#part-timeline").get_by_text("fault · exception").first.wait_for(timeout=120_000)
+        page.locator("#part-timeline").get_by_text("fault · exception").first.wait_for(timeout=240_000)
         page.locator("[data-testid=fault-table]").get_by_text("exception").first.wait_for(timeout=10_000)
         wait_for(lambda: RestartCycle.objects.filter(job=job, layer=Layer.IN_PROCESS,
                                                      first_step_at__isnull=False).exists(),

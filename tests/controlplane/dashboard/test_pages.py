@@ -146,7 +146,7 @@ def test_it_serves_plotly_from_the_installed_package(viewer_client):
 
 def test_it_renders_the_new_job_form_with_the_demo_preset(operator_client):
     body = operator_client.get(reverse("dashboard:job_new")).content.decode()
-    assert "60:exception:1" in body and "150:sigkill:0" in body  # DEMO_SPEC drills
+    assert "300:exception:1" in body and "900:sigkill:0" in body  # DEMO_SPEC drills
     assert 'data-show-for-backend="kubernetes"' in body
 
 
