@@ -340,7 +340,9 @@ def timeline_figure(
         "yaxis": {
             "tickvals": list(range(n + 1)),
             "ticktext": ticktext,
-            "autorange": "reversed",
+            # A fixed range (reversed: the job lane on top) so every lane gets its share of plot_height;
+            # autorange would pad for marker labels and leave empty lanes' worth of space.
+            "autorange": False,
             "fixedrange": True,
             "tickfont": {"size": 10 if n > 16 else 11},
             "range": [n + 0.6, -0.6],
