@@ -27,8 +27,9 @@ class PeriodicTaskNoise(logging.Filter):
             return True
         data = getattr(record, "data", None)
         name = data.get("name") if isinstance(data, dict) else None
-        if name is None and record.name == "celery.beat" and isinstance(record.args, tuple) and len(record.args) == 2:
-            name = record.args[1]
+        beat = record.name == "celery.beat" and isinstance(record.args, tuple) and len(record.args) == 2
+        if name is None and beat:
+            name = record.args[1]  # "Sending due task %s (%s)": the entry's name, then its task
         if name not in self.tasks:
             return True
         record.levelno, record.levelname = logging.DEBUG, "DEBUG"

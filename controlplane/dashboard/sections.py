@@ -203,7 +203,8 @@ def _cycle_dicts(job: Job, lo: datetime | None = None, hi: datetime | None = Non
                 "key": c.key,
                 "layer": c.layer,
                 "title": c.title,
-                "reason": c.reason + (" · this layer gave up; a later restart took over" if c.escalated_to else ""),
+                "reason": c.reason
+                + (" · this layer gave up; a later restart took over" if c.escalated_to else ""),
                 "fault_at": ts(c.fault_at),
                 "detected_at": ts(c.detected_at),
                 "aborted_at": ts(c.aborted_at),
