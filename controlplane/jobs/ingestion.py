@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import logging
 import math
-import time
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -215,39 +214,41 @@ def _record(job: Job, beats: list[dict], events: list[Any], source: str, *, now:
 
 
 SAMPLE_INTERVAL_S = 2.0
-SAMPLE_SLOTS_KEPT = 4096  # per process: the recent (job, slot) pairs already sampled
-_sampled: dict[tuple[int, int], None] = {}  # insertion-ordered: the oldest are dropped first
+_last_sample: dict[int, float] = {}  # job id -> beat time of this process's last sample (a cheap pre-check)
 sample_failures = 0  # training samples this process could not store (logged each time)
 
 
 def _maybe_sample(job: Job, beats: list[dict], now: datetime) -> None:
-    """Keep one train heartbeat (the lowest rank's) per job and ``SAMPLE_INTERVAL_S`` slot of the
-    trainer's own clock (the beat's ``at``), for the loss and throughput charts. Slots come from the
-    trainer's timestamps, not arrival: beats replayed late from a trainer's spool fill the slots of when
-    they happened. Best effort: runs after the batch is stored and never raises, so it can neither fail
-    the batch nor turn a stored batch into an error."""
+    """Keep one heartbeat (the lowest rank's) every SAMPLE_INTERVAL_S of beat time per job, across every
+    web process: the job row's lock orders the processes, and a sample is written only when the job has
+    none within the interval. Samples are placed by the trainer's clock (the beat's ``at``), not arrival,
+    and every beat of the batch is a candidate: beats replayed late from a trainer's spool fill the
+    places of when they happened. Best effort: runs after the batch is stored and never raises, so it can
+    neither fail the batch nor turn a stored batch into an error."""
     global sample_failures
     try:
-        train = [b for b in beats if b["phase"] == Phase.TRAIN]
+        train = sorted((b for b in beats if b["phase"] == Phase.TRAIN), key=lambda b: (b["rank"], b["at"]))
         if not train:
             return
-        low = min(b["rank"] for b in train)
-        rows = {}
-        for b in sorted((b for b in train if b["rank"] == low), key=lambda b: b["at"]):
-            slot = (job.pk, int(b["at"] // SAMPLE_INTERVAL_S))
-            if slot in _sampled or slot in rows:
-                continue
-            rows[slot] = TrainingSample(job_id=job.pk, at=hb_store.utc(b["at"]), rank=b["rank"], step=b["step"],
-                                        loss=b.get("loss"), step_time_s=b.get("step_time_s"),
-                                        tokens_per_s=b.get("tokens_per_s"))
-        if not rows:
+        last = _last_sample.get(job.pk, -1e18)
+        picks = [b for b in train if b["rank"] == train[0]["rank"] and abs(b["at"] - last) >= SAMPLE_INTERVAL_S]
+        if not picks:
             return
         with transaction.atomic():  # a savepoint inside a caller's transaction: a failure leaves it usable
-            TrainingSample.objects.bulk_create(list(rows.values()))
-        for slot in rows:
-            _sampled[slot] = None
-        while len(_sampled) > SAMPLE_SLOTS_KEPT:
-            del _sampled[next(iter(_sampled))]
+            list(Job.objects.select_for_update().filter(pk=job.pk).values_list("pk"))
+            lo, hi = picks[0]["at"] - SAMPLE_INTERVAL_S, picks[-1]["at"] + SAMPLE_INTERVAL_S
+            taken = [t.timestamp() for t in TrainingSample.objects.filter(
+                job_id=job.pk, at__gt=hb_store.utc(lo), at__lt=hb_store.utc(hi)).values_list("at", flat=True)]
+            rows = []
+            for b in picks:
+                if any(abs(b["at"] - t) < SAMPLE_INTERVAL_S for t in taken):
+                    continue
+                taken.append(b["at"])
+                rows.append(TrainingSample(job_id=job.pk, at=hb_store.utc(b["at"]), rank=b["rank"], step=b["step"],
+                                           loss=b.get("loss"), step_time_s=b.get("step_time_s"),
+                                           tokens_per_s=b.get("tokens_per_s")))
+            _last_sample[job.pk] = max(last, picks[-1]["at"])
+            TrainingSample.objects.bulk_create(rows)
     except Exception:  # noqa: BLE001 - a chart point is not worth an error answer
         sample_failures += 1
         log.warning("could not store a training sample for job %s (%d so far)", job.pk, sample_failures,

@@ -10,7 +10,6 @@ from __future__ import annotations
 import hashlib
 import hmac
 import secrets
-from dataclasses import dataclass
 from datetime import datetime
 
 from django.conf import settings
@@ -287,25 +286,6 @@ def steps_lost(step_at_fault: int | None, resumed_from_step: int | None) -> int 
     return None
 
 
-@dataclass(frozen=True, slots=True)
-class FaultOutcome:
-    """What became of a fault, computed once (``Fault.outcome``) for every view: the fault table, the
-    timeline's marker and cycle hovers, and the API."""
-
-    detection_s: float | None  # fault -> detected (by its restart cycle's layer when it has one)
-    recovery_s: float | None  # fault -> first step after it; None without a cycle or while recovering
-    recovering: bool  # its restart cycle is still open
-    lost_steps: int | None
-    layer: str  # the layer that handled it ("" without a cycle)
-    escalated_to: str  # the cycle that finished the recovery when this layer gave up
-    node: str  # the fault's node, else the node its rank reported
-
-    def as_dict(self) -> dict:
-        return {"detection_s": self.detection_s, "recovery_s": self.recovery_s, "recovering": self.recovering,
-                "lost_steps": self.lost_steps, "layer": self.layer, "escalated_to": self.escalated_to,
-                "node": self.node}
-
-
 class Fault(models.Model):
     job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="faults")
     cycle = models.ForeignKey(RestartCycle, null=True, blank=True, on_delete=models.SET_NULL, related_name="faults")
@@ -328,25 +308,6 @@ class Fault(models.Model):
     @property
     def detection_s(self) -> float:
         return max(0.0, (self.detected_at - self.at).total_seconds())
-
-    def outcome(self, *, rank_nodes: dict[int, str] | None = None) -> FaultOutcome:
-        """Detection, recovery and steps lost, the way every view shows them. A fault inside a restart
-        cycle was detected when its cycle's layer detected it (the cycle's own ``detected`` mark, the
-        same figure as the cycle's "detect" phase); a fault without a cycle (a watchdog finding) when
-        its row says. ``rank_nodes`` (rank -> node) names the node when the fault did not."""
-        c = self.cycle
-        detection = c.detection_s if c is not None and c.detection_s is not None else self.detection_s
-        lost = c.lost_steps if c is not None else self.lost_steps  # the cycle's hover shows the same
-        node = self.node or ((rank_nodes or {}).get(self.rank, "") if self.rank is not None else "")
-        return FaultOutcome(
-            detection_s=detection,
-            recovery_s=c.recovery_s if c is not None else None,
-            recovering=c is not None and c.recovery_s is None,
-            lost_steps=lost,
-            layer=c.layer if c is not None else "",
-            escalated_to=c.escalated_to if c is not None else "",
-            node=node,
-        )
 
 
 class Checkpoint(models.Model):

@@ -1,5 +1,5 @@
 """One fault, one story: the fault table, the timeline's marker and cycle hovers and the API show the
-same detection, recovery, steps lost and node, all from ``Fault.outcome``."""
+same detection, recovery, steps lost and node, all from ``figures.fault_figures``."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from django.urls import reverse
 from django.utils import timezone
 
 from controlplane.dashboard import sections
+from controlplane.jobs.figures import fault_figures
 
 from .factories import PASSWORD, make_cycle, make_fault, make_job, make_rank, make_user
 
@@ -34,7 +35,7 @@ def _job_with_an_exception():
 
 def test_it_shows_one_detection_recovery_and_loss_everywhere(client):
     job, fault, now = _job_with_an_exception()
-    o = fault.outcome(rank_nodes=job.rank_nodes())
+    o = fault_figures(fault, rank_nodes=job.rank_nodes())
     assert (round(o.detection_s, 3), round(o.recovery_s, 2), o.lost_steps, o.node) == (0.215, 2.32, 20, "vm")
 
     make_user("viewer")
@@ -53,7 +54,7 @@ def test_it_shows_one_detection_recovery_and_loss_everywhere(client):
     assert "a0-ij0-ip1" not in marker + cycle  # internal ids stay internal
 
     auth = base64.b64encode(f"viewer:{PASSWORD}".encode()).decode()
-    api = client.get(f"/api/v1/jobs/{job.pk}", HTTP_AUTHORIZATION=f"Basic {auth}").json()
+    api = client.get(f"/api/v1/jobs/{job.pk}/faults", HTTP_AUTHORIZATION=f"Basic {auth}").json()
     (f,) = api["faults"]
     assert (round(f["detection_s"], 3), round(f["recovery_s"], 2), f["lost_steps"], f["node"]) == (
         0.215, 2.32, 20, "vm")
@@ -64,5 +65,5 @@ def test_it_words_the_recovery_of_a_fault_without_a_cycle():
     job = make_job(now=now)
     f = make_fault(job, at=now - timedelta(seconds=30), rank=0, fault_class="stalled",
                    detected_by="watchdog", detection_s=20.0)
-    o = f.outcome()
+    o = fault_figures(f)
     assert (o.detection_s, o.recovery_s, o.recovering, o.lost_steps, o.node) == (20.0, None, False, None, "node-a")

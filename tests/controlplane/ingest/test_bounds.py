@@ -29,7 +29,7 @@ def assert_nothing_stored(job, store):
 @pytest.fixture(autouse=True)
 def _sample_due():
     """Make the 2-second training sample due, as in the issue's partial write."""
-    ingestion._sampled.clear()
+    ingestion._last_sample.clear()
 
 
 @pytest.mark.parametrize("beat, field, words", [

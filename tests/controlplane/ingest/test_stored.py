@@ -44,6 +44,7 @@ def test_it_answers_503_saying_what_was_stored_when_heartbeats_can_go_nowhere(po
 
 def test_a_failing_training_sample_never_fails_the_batch(post, settle):
     job, token = make_job()
+    ingestion._last_sample.pop(job.pk, None)
     before = ingestion.sample_failures
     refuse_inserts("jobs_trainingsample")
     r = post(job, token, batch([hb(0, 5, loss=2.0)]))

@@ -214,10 +214,21 @@ def test_it_keeps_one_training_sample_per_interval_of_the_trainers_clock():
     record(job, heartbeats=[hb(0, 6, at=t + 0.1, loss=2.4)])  # the same 2 s slot: not kept
     s = TrainingSample.objects.get(job=job)
     assert (s.rank, s.step, s.loss) == (0, 5, 2.5)
-    record(job, heartbeats=[hb(0, 7, at=t + 2.2, loss=2.3)])
+    record(job, heartbeats=[hb(0, 7, at=t + 2.5, loss=2.3)])
     assert list(TrainingSample.objects.filter(job=job).values_list("step", flat=True)) == [5, 7]
-    # A trainer's spool replays an outage in one batch later: its beats fill the slots they belong to.
-    record(job, heartbeats=[hb(0, 8 + i, at=t + 4.1 + i, loss=2.0) for i in range(6)])
+    # A trainer's spool replays an outage in one batch later: its beats fill the places they belong to.
+    record(job, heartbeats=[hb(0, 8 + i, at=t + 4.6 + i, loss=2.0) for i in range(6)])
     got = list(TrainingSample.objects.filter(job=job).order_by("at").values_list("step", "at"))
     assert [step for step, _ in got] == [5, 7, 8, 10, 12]
-    assert got[-1][1].timestamp() == pytest.approx(t + 8.1, abs=1e-3)  # placed by the beat's own time
+    assert got[-1][1].timestamp() == pytest.approx(t + 8.6, abs=1e-3)  # placed by the beat's own time
+
+
+def test_the_training_sample_is_per_job_not_per_web_process():
+    from controlplane.jobs.models import TrainingSample
+
+    job, _ = make_job()
+    t = time.time()
+    record(job, heartbeats=[hb(0, 5, at=t, loss=2.5)])
+    ingestion._last_sample.clear()  # another web process: it has sampled nothing itself
+    record(job, heartbeats=[hb(0, 6, at=t + 0.5, loss=2.4)])
+    assert list(TrainingSample.objects.filter(job=job).values_list("step", flat=True)) == [5]
