@@ -261,7 +261,9 @@ def timeline_part(
     nodes = {ln["rank"]: ln["node"] for ln in lanes if ln["node"]}
     faults = [
         fault_dict(f, nodes)
-        for f in Fault.objects.filter(in_view, job=job, at__lte=hi).select_related("cycle").order_by("at", "id")
+        for f in Fault.objects.filter(in_view, job=job, at__lte=hi)
+        .select_related("cycle")
+        .order_by("at", "id")
     ]
     ranks = [
         {
@@ -519,8 +521,7 @@ def ranks_part(job: Job, now: datetime) -> dict:
                 "loss": f.loss,
                 "step_time_s": f.step_time_s,
                 "pid": f.pid,
-                "why": ("no heartbeat yet" + (": the job has not started training" if job.is_active
-                                              else ": it never reported")) if f.health == figures.UNKNOWN else "",
+                "why": _why_no_heartbeat(job) if f.health == figures.UNKNOWN else "",
             }
         )
     quarantined = list(QuarantinedHeartbeat.objects.filter(job=job).order_by("-at")[:QUARANTINE_SHOWN])
@@ -528,6 +529,11 @@ def ranks_part(job: Job, now: datetime) -> dict:
 
 
 QUARANTINE_SHOWN = 10
+
+
+def _why_no_heartbeat(job: Job) -> str:
+    why = "the job has not started training" if job.is_active else "it never reported"
+    return f"no heartbeat yet: {why}"
 
 
 SAMPLES_SHOWN = 20_000  # the newest samples (about 11 hours at one per 2 s); older ones are not drawn

@@ -114,7 +114,8 @@ def goodput_from_facts(f: GoodputFacts) -> dict[str, float]:
 
     taken: list[Interval] = []
     parts = (
-        ("recovery", [clip(c.began, c.first_step_at if c.first_step_at is not None else end) for c in f.cycles]),
+        ("recovery", [clip(c.began, c.first_step_at if c.first_step_at is not None else end)
+                      for c in f.cycles]),
         ("checkpoint_blocking", [clip(t, t + max(0.0, b)) for t, b in f.saves]),
         ("lost_work", [clip(c.first_step_at, c.reached_again_at if c.reached_again_at is not None else end)
                        for c in f.cycles if c.first_step_at is not None and (c.lost_steps or 0) > 0]),
@@ -158,7 +159,8 @@ def goodput_facts(job, now: datetime) -> GoodputFacts:
             if sample is not None:
                 bounds.append(sample)
             reached = min(bounds) if bounds else None
-        cycles.append(CycleFacts(began=began, first_step_at=first_at, lost_steps=lost, reached_again_at=reached))
+        cycles.append(CycleFacts(began=began, first_step_at=first_at, lost_steps=lost,
+                                 reached_again_at=reached))
     saves = []
     in_flight = []
     newest_cycle = max((c.began for c in cycles), default=None)
@@ -170,7 +172,7 @@ def goodput_facts(job, now: datetime) -> GoodputFacts:
         if state == CheckpointState.ABANDONED:
             continue  # cut short by a fault: what it blocked before the fault counts as training
         if blocking_s is None and mode == CheckpointMode.SYNC and finished is not None:
-            blocking_s = finished - t  # a sync save that did not report its blocked time blocked for all of it
+            blocking_s = finished - t  # a sync save that did not report its blocked time: all of it
         if blocking_s:
             saves.append((t, blocking_s))
     return GoodputFacts(

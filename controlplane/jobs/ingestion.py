@@ -231,7 +231,8 @@ def _maybe_sample(job: Job, beats: list[dict], now: datetime) -> None:
         if not train:
             return
         last = _last_sample.get(job.pk, -1e18)
-        picks = [b for b in train if b["rank"] == train[0]["rank"] and abs(b["at"] - last) >= SAMPLE_INTERVAL_S]
+        low = train[0]["rank"]
+        picks = [b for b in train if b["rank"] == low and abs(b["at"] - last) >= SAMPLE_INTERVAL_S]
         if not picks:
             return
         with transaction.atomic():  # a savepoint inside a caller's transaction: a failure leaves it usable
@@ -244,8 +245,9 @@ def _maybe_sample(job: Job, beats: list[dict], now: datetime) -> None:
                 if any(abs(b["at"] - t) < SAMPLE_INTERVAL_S for t in taken):
                     continue
                 taken.append(b["at"])
-                rows.append(TrainingSample(job_id=job.pk, at=hb_store.utc(b["at"]), rank=b["rank"], step=b["step"],
-                                           loss=b.get("loss"), step_time_s=b.get("step_time_s"),
+                rows.append(TrainingSample(job_id=job.pk, at=hb_store.utc(b["at"]), rank=b["rank"],
+                                           step=b["step"], loss=b.get("loss"),
+                                           step_time_s=b.get("step_time_s"),
                                            tokens_per_s=b.get("tokens_per_s")))
             _last_sample[job.pk] = max(last, picks[-1]["at"])
             TrainingSample.objects.bulk_create(rows)
@@ -375,7 +377,8 @@ def _cycle_status(job: Job, touched: dict[str, RestartCycle], now: datetime) -> 
             | Q(fault_at__isnull=True, detected_at__isnull=True, aborted_at__isnull=True,
                 restarted_at__gt=c.first_step_at)).exists()
         took = f" in {c.recovery_s:.1f} s" if c.recovery_s is not None else ""
-        if not still_open and set_status(job, JobStatus.RUNNING, f"recovered by {'an' if c.title[0] in 'aeiou' else 'a'} {c.title}{took}",
+        article = "an" if c.title[0] in "aeiou" else "a"
+        if not still_open and set_status(job, JobStatus.RUNNING, f"recovered by {article} {c.title}{took}",
                                          only_from=(JobStatus.RECOVERING,)):
             recovery = f" in {c.recovery_s:.1f} s" if c.recovery_s is not None else ""
             notifications.enqueue(job, Notification.Transition.RECOVERED, f"recovered:{c.key}",
