@@ -83,10 +83,10 @@ def rank(f: figures.RankFigures, now: datetime) -> schema.Rank:
     )
 
 
-def fault(f: m.Fault) -> schema.Fault:
-    fig = figures.fault_figures(f)
+def fault(f: m.Fault, rank_nodes: dict[int, str] | None = None) -> schema.Fault:
+    fig = figures.fault_figures(f, rank_nodes=rank_nodes)
     return schema.Fault(
-        id=f.pk, at=f.at, detected_at=f.detected_at, fault_class=f.fault_class, rank=f.rank, node=f.node,
+        id=f.pk, at=f.at, detected_at=f.detected_at, fault_class=f.fault_class, rank=f.rank, node=fig.node,
         detected_by=f.detected_by, message=f.message, traceback=figures.traceback_in(f.message),
         cycle=f.cycle.key if f.cycle is not None else None, layer=fig.layer, escalated_to=fig.escalated_to,
         detection_s=fig.detection_s, recovery_s=fig.recovery_s, recovering=fig.recovering,

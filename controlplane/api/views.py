@@ -158,7 +158,8 @@ def job_faults(request: HttpRequest, job_id: int) -> HttpResponse:
     if q.rank is not None:
         qs = qs.filter(rank=q.rank)
     rows, after = keyset(qs, q)
-    faults = [render.fault(f) for f in rows]
+    nodes = job.rank_nodes()
+    faults = [render.fault(f, nodes) for f in rows]
     return respond(schema.FaultList(faults=faults, next=next_link(request, q, after)))
 
 

@@ -35,8 +35,9 @@ EXAMPLE_SCRIPT = str(Path(settings.BASE_DIR) / "trainer" / "examples" / "plain_f
 PRESET_CHOICES = {
     "demo": (
         "Demo",
-        "2 ranks on this machine's CPU, with a fault drill (an exception at step 60 on rank 1, "
-        "a SIGKILL at step 150 on rank 0)",
+        "2 ranks on this machine's CPU for about 5 minutes (1,500 steps), with two fault drills (an "
+        "exception at step 300 on rank 1, a SIGKILL at step 900 on rank 0): time to try a restart and an "
+        "injection of your own while it runs",
         DEMO_SPEC,
     ),
     "own-script": (

@@ -15,6 +15,7 @@ from django.core.paginator import Paginator
 from django.db.models import Count, Max, Q
 
 from controlplane.dashboard import charts
+from controlplane.dashboard.timeline_figure import timeline_figure
 from controlplane.dashboard.timeline import job_spans, rank_spans, ts
 from controlplane.jobs import figures, health
 from controlplane.jobs.goodput import PARTS, Epoch
@@ -37,6 +38,7 @@ FOLLOW_WINDOW_S = 600.0
 FAULTS_PER_PAGE = 25
 JOB_SECTIONS = (
     "header",
+    "actions",
     "timeline",
     "checkpoints",
     "faults",
@@ -96,6 +98,7 @@ def job_signatures(job: Job, now: datetime) -> dict[str, str]:
     tick = int(now.timestamp() // 5) if job.is_active else 0
     return {
         "header": _sig(status, job.last_step, tick),
+        "actions": _sig(job.is_active),
         "timeline": _sig(status, cyc_s, flt_s, ck_s, rank_health, tuple(cmd.values())),
         "checkpoints": _sig(ck_s),
         "faults": _sig(flt_s, cyc_s),
@@ -204,7 +207,9 @@ def _cycle_dicts(job: Job, lo: datetime | None = None, hi: datetime | None = Non
                 "id": c.pk,
                 "key": c.key,
                 "layer": c.layer,
-                "reason": c.reason + (f" · gave up: escalated to {c.escalated_to}" if c.escalated_to else ""),
+                "title": c.title,
+                "reason": c.reason
+                + (" · this layer gave up; a later restart took over" if c.escalated_to else ""),
                 "fault_at": ts(c.fault_at),
                 "detected_at": ts(c.detected_at),
                 "aborted_at": ts(c.aborted_at),
@@ -253,30 +258,12 @@ def timeline_part(
     in_view = (
         Q(at__gte=lo) | Q(detected_at__gte=lo) | Q(cycle__isnull=False, cycle__first_step_at__isnull=True)
     )
+    nodes = {ln["rank"]: ln["node"] for ln in lanes if ln["node"]}
     faults = [
-        {
-            "at": at,
-            "detected_at": det,
-            "rank": rank,
-            "node": node,
-            "fault_class": cls,
-            "cycle_id": cid,
-            "detected_by": by,
-            "message": msg,
-            "detection_s": max(0.0, det - at),
-        }
-        for at, det, rank, node, cls, cid, by, msg in Fault.objects.filter(in_view, job=job, at__lte=hi)
+        fault_dict(f, nodes)
+        for f in Fault.objects.filter(in_view, job=job, at__lte=hi)
+        .select_related("cycle")
         .order_by("at", "id")
-        .values_list(
-            Epoch("at"),
-            Epoch("detected_at"),
-            "rank",
-            "node",
-            "fault_class",
-            "cycle_id",
-            "detected_by",
-            "message",
-        )
     ]
     ranks = [
         {
@@ -312,7 +299,7 @@ def timeline_part(
             "issued_by"
         )
     ]
-    fig = charts.timeline_figure(
+    fig = timeline_figure(
         lanes=lanes,
         spans=spans,
         faults=faults,
@@ -326,6 +313,20 @@ def timeline_part(
     fig["start_ms"] = charts.ms(job_start)
     fig["active"] = is_open
     return fig
+
+
+def fault_dict(f: Fault, nodes: dict[int, str]) -> dict:
+    """A fault for the timeline, with its outcome from the one place that computes it."""
+    return {
+        "at": ts(f.at),
+        "detected_at": ts(f.detected_at),
+        "rank": f.rank,
+        "fault_class": f.fault_class,
+        "cycle_id": f.cycle_id,
+        "detected_by": f.detected_by,
+        "message": f.message,
+        **figures.fault_figures(f, rank_nodes=nodes).as_dict(),
+    }
 
 
 def command_summary(c: Command) -> str:
@@ -380,7 +381,8 @@ def checkpoint_part(job: Job) -> dict:
             }
         )
     counts = figures.checkpoint_counts(r["state"] for r in rows)
-    return {"chart": charts.checkpoint_figure(rows), "counts": counts, "recent": list(reversed(rows[-8:]))}
+    return {"chart": charts.checkpoint_figure(rows), "counts": counts, "recent": list(reversed(rows[-8:])),
+            "total": len(rows)}
 
 
 FAULT_FILTERS = ("fault_class", "layer", "rank")
@@ -399,19 +401,17 @@ def faults_part(job: Job, params) -> dict:
         except ValueError:
             chosen["rank"] = ""
     page = Paginator(qs, FAULTS_PER_PAGE).get_page(params.get("page"))
+    nodes = job.rank_nodes()
     rows = []
     for f in page.object_list:
-        fig = figures.fault_figures(f)
+        fig = figures.fault_figures(f, rank_nodes=nodes)
         rows.append(
             {
                 "f": f,
-                "layer": (charts.LAYER_NAMES.get(fig.layer, fig.layer)
-                          + (f" → escalated ({fig.escalated_to})" if fig.escalated_to else ""))
-                if fig.layer is not None else "",
+                "node": fig.node,
+                "layer": layer_words(fig.layer, fig.escalated_to),
                 "detection": charts.fmt_s(fig.detection_s),
-                "recovery": charts.fmt_s(fig.recovery_s)
-                if fig.recovery_s is not None
-                else ("in progress" if fig.recovering else "–"),
+                "recovery": recovery_words(fig),
                 "lost": fig.lost_steps,
             }
         )
@@ -424,6 +424,18 @@ def faults_part(job: Job, params) -> dict:
         "layers": [(v.value, charts.LAYER_NAMES[v.value]) for v in Layer],
         "ranks": range(job.world_size),
     }
+
+
+def layer_words(layer: str | None, escalated_to: str | None = None) -> str:
+    if not layer:
+        return ""
+    return charts.LAYER_NAMES.get(layer, layer) + (" → handed on to a later restart" if escalated_to else "")
+
+
+def recovery_words(o) -> str:
+    if o.recovery_s is not None:
+        return charts.fmt_s(o.recovery_s)
+    return "in progress" if o.recovering else "–"
 
 
 GOODPUT_LABELS = {
@@ -500,7 +512,7 @@ def ranks_part(job: Job, now: datetime) -> dict:
             {
                 "rank": f.rank,
                 "node": f.node,
-                "health": f.health,
+                "health": "waiting" if f.health == figures.UNKNOWN else f.health,
                 "age": now.timestamp() - f.hb_at if f.hb_at else None,
                 "hb_at": f.hb_at,
                 "hb_ms": int(f.hb_at * 1000) if f.hb_at else None,
@@ -509,6 +521,7 @@ def ranks_part(job: Job, now: datetime) -> dict:
                 "loss": f.loss,
                 "step_time_s": f.step_time_s,
                 "pid": f.pid,
+                "why": _why_no_heartbeat(job) if f.health == figures.UNKNOWN else "",
             }
         )
     quarantined = list(QuarantinedHeartbeat.objects.filter(job=job).order_by("-at")[:QUARANTINE_SHOWN])
@@ -518,6 +531,11 @@ def ranks_part(job: Job, now: datetime) -> dict:
 QUARANTINE_SHOWN = 10
 
 
+def _why_no_heartbeat(job: Job) -> str:
+    why = "the job has not started training" if job.is_active else "it never reported"
+    return f"no heartbeat yet: {why}"
+
+
 SAMPLES_SHOWN = 20_000  # the newest samples (about 11 hours at one per 2 s); older ones are not drawn
 
 
@@ -525,10 +543,10 @@ def progress_part(job: Job, now: datetime) -> dict:
     samples = list(
         TrainingSample.objects.filter(job=job)
         .order_by("-at")
-        .values_list(Epoch("at"), "step", "loss", "tokens_per_s")[:SAMPLES_SHOWN]
+        .values_list(Epoch("at"), "step", "loss", "tokens_per_s", "step_time_s")[:SAMPLES_SHOWN]
     )
     samples.reverse()
-    points: list[tuple[float, int]] = [(t, step) for t, step, _, _ in samples]
+    points: list[tuple[float, int]] = [(t, step) for t, step, _, _, _ in samples]
     if job.first_step_at:
         points.append((job.first_step_at.timestamp(), 1))
     points += [(r[0], r[7]) for r in _checkpoint_rows(job)]
@@ -543,9 +561,10 @@ def progress_part(job: Job, now: datetime) -> dict:
         points.append((job.last_progress_at.timestamp(), job.last_step))
     points.sort()
     return {
-        "progress": charts.progress_figure(points),
-        "loss": charts.loss_figure([(t, loss, tps) for t, _, loss, tps in samples]),
+        "progress": charts.progress_figure(points, [(t, st) for t, _, _, _, st in samples]),
+        "loss": charts.loss_figure([(t, loss, tps) for t, _, loss, tps, _ in samples]),
         "has_samples": bool(samples),
+        "has_progress": bool(points),
     }
 
 

@@ -73,6 +73,8 @@ def part_context(name: str, job: Job, request, now) -> dict:
     """The context of one part of the job page (the page includes every part; fragments one)."""
     if name == "header":
         return {"code": code_part(job), "ran_with": runtime_versions(job)}
+    if name == "actions":
+        return {}
     if name == "timeline":
         follow = request.GET.get("follow", "1" if job.is_active else "0") == "1"
         start, end = _float(request.GET.get("start")), _float(request.GET.get("end"))

@@ -29,13 +29,24 @@ class FaultFigures:
     recovery_s: float | None  # the cycle's recovery time (None: no cycle, or still recovering)
     recovering: bool  # a cycle is attached and has not reached its first step
     lost_steps: int | None  # steps recomputed because of this fault (the fault's own, else its cycle's)
+    node: str  # the fault's node, else the node its rank reported (when ``rank_nodes`` is given)
+
+    def as_dict(self) -> dict:
+        return {"layer": self.layer, "escalated_to": self.escalated_to, "detection_s": self.detection_s,
+                "recovery_s": self.recovery_s, "recovering": self.recovering, "lost_steps": self.lost_steps,
+                "node": self.node}
 
 
-def fault_figures(f: Fault) -> FaultFigures:
-    """Figures of one fault; ``f.cycle`` should be loaded with it (``select_related("cycle")``)."""
+def fault_figures(f: Fault, *, rank_nodes: dict[int, str] | None = None) -> FaultFigures:
+    """Figures of one fault; ``f.cycle`` should be loaded with it (``select_related("cycle")``). Every
+    view of a fault reads these: the fault table, the timeline's marker hover (its cycle's hover shows
+    the same cycle's figures) and the operator API. ``rank_nodes`` (rank -> node, ``Job.rank_nodes()``)
+    names the node when the fault did not."""
     c: RestartCycle | None = f.cycle
     detection = c.detection_s if c is not None and c.detection_s is not None else f.detection_s
+    node = f.node or ((rank_nodes or {}).get(f.rank, "") if f.rank is not None else "")
     return FaultFigures(
+        node=node,
         layer=c.layer if c is not None else None,
         escalated_to=(c.escalated_to or None) if c is not None else None,
         detection_s=detection,

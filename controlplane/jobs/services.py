@@ -50,7 +50,8 @@ def set_status(job: Job, status: str, reason: str = "", *, only_from: tuple[str,
     if status in (JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.STOPPED):
         fields["finished_at"] = now
     changed = qs.exclude(status=status).update(**fields) == 1
-    if changed:
+    if changed:  # the conditional UPDATE makes this the one writer of the change: it logs it, once
+        log.info("job %s %s%s", job.pk, status, f": {reason}" if reason else "")
         for k, v in fields.items():
             setattr(job, k, v)
     return changed

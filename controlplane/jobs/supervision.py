@@ -91,8 +91,10 @@ def mark_overdue(now: datetime | None = None, *, store: hb_store.HeartbeatStore 
     try:
         indexed = store.overdue(now)
     except Exception as e:  # noqa: BLE001 - a Redis outage: the database scan below still works
-        log.warning("watchdog: heartbeat store unavailable (%s); using the database only", e)
+        _store_state(down=True, why=str(e))
         indexed = []
+    else:
+        _store_state(down=False)
     by_job: dict[int, set[int]] = {}
     for j, r, _ in indexed:
         by_job.setdefault(j, set()).add(r)
@@ -127,6 +129,18 @@ def mark_overdue(now: datetime | None = None, *, store: hb_store.HeartbeatStore 
         except Exception:  # noqa: BLE001 - the next pass sees them again; claims make that harmless
             log.warning("watchdog: could not forget handled deadlines", exc_info=True)
     return n
+
+
+_store_down = False  # this process's view of the heartbeat store, so an outage logs once, not every pass
+
+
+def _store_state(*, down: bool, why: str = "") -> None:
+    global _store_down
+    if down and not _store_down:
+        log.warning("watchdog: heartbeat store unavailable (%s); using the database until it is back", why)
+    elif not down and _store_down:
+        log.warning("watchdog: heartbeat store is back")
+    _store_down = down
 
 
 def _mark_job_lost(job: Job, ranks: list[int], now: datetime,
