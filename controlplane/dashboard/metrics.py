@@ -13,6 +13,7 @@ from collections import defaultdict
 from datetime import timedelta
 from pathlib import Path
 
+from django.conf import settings
 from django.db.models import Count, Q, Sum
 from django.http import HttpResponse
 from django.utils import timezone
@@ -20,6 +21,7 @@ from django.views.decorators.http import require_GET
 
 from controlplane.jobs.goodput import PARTS
 from controlplane.jobs.models import Checkpoint, Fault, Job, QuarantinedHeartbeat, Rank, RestartCycle
+from controlplane.supervisor import read_state
 from trainer.wire import CheckpointState
 
 BLOCKING_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -157,6 +159,8 @@ def render_metrics(now) -> str:
     ):
         out.sample("unbroken_ingest_quarantined_total", n, job=job_id)
 
+    _supervised(out)
+
     out.family("unbroken_rank_heartbeat_age_seconds", "gauge", "Seconds since the rank's last heartbeat.")
     for job_id, rank, node, hb in (
         Rank.objects.filter(job_id__in=ids, last_heartbeat_at__isnull=False)
@@ -171,6 +175,20 @@ def render_metrics(now) -> str:
             node=node,
         )
     return out.text()
+
+
+def _supervised(out: Exposition) -> None:
+    """The ``manage.py serve`` supervisor's children (nothing when the processes run elsewhere)."""
+    state = read_state(settings.DATA_DIR)
+    if state is None:
+        return
+    out.family("unbroken_process_restarts_total", "counter",
+               "Times manage.py serve restarted a control-plane process after it exited.")
+    for name, c in sorted(state["children"].items()):
+        out.sample("unbroken_process_restarts_total", c["restarts"], process=name)
+    out.family("unbroken_process_up", "gauge", "1 while the supervised control-plane process is running.")
+    for name, c in sorted(state["children"].items()):
+        out.sample("unbroken_process_up", int(c["alive"]), process=name)
 
 
 @require_GET
