@@ -255,7 +255,7 @@ class Context:
         s.reporter.heartbeat(step=step, phase=Phase.TRAIN, loss=loss, step_time_s=dt,
                              tokens_per_s=tokens / dt if tokens and dt else None)
         impl.step_no, impl.loss = step, loss
-        s.last_loss = loss
+        s.last_loss, s.last_step = loss, step
         if self._first:
             self._first = False
             s.mark(self.cycle, CycleMark.FIRST_STEP, step=step)
@@ -267,7 +267,8 @@ class Context:
         if decision.stop:
             self._stop = True
         elif decision.kind == CommandKind.RESTART:
-            s.record_fault("command", f"restart command {decision.command_id}", kind="command")
+            s.record_fault("command", f"restart command {decision.command_id}", kind="command",
+                           command_id=decision.command_id)
             if decision.level == Layer.IN_PROCESS:
                 raise RestartRequested(f"restart command {decision.command_id} (in_process)")
             s.reporter.heartbeat(step=step, phase=Phase.RESTARTING)

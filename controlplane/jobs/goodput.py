@@ -29,6 +29,7 @@ from datetime import datetime
 
 from django.db.models import FloatField, Func, Max
 
+from controlplane.jobs.models import RestartCycle
 from trainer.wire import CheckpointMode, CheckpointState
 
 PARTS = ("productive", "checkpoint_blocking", "recovery", "lost_work", "startup", "idle")
@@ -68,20 +69,24 @@ def compute_goodput(job, now: datetime) -> dict[str, float]:
         Epoch("first_step_at"),
         "step_at_fault",
         "resumed_from_step",
+        "step_at_fault_estimate",
     )
     intervals = []
     lost_steps = 0
-    for fault_at, detected_at, aborted_at, restarted_at, first_at, step_at_fault, resumed_from in cycles:
+    for fault_at, detected_at, aborted_at, restarted_at, first_at, *steps in cycles:
         began = next((t for t in (fault_at, detected_at, aborted_at, restarted_at) if t is not None), None)
         if began is None:
             continue
         intervals.append((max(began, train_from), min(first_at if first_at is not None else end, end)))
-        if step_at_fault is not None:
-            if resumed_from is not None:
-                lost_steps += max(0, step_at_fault - resumed_from)
-            else:  # still recovering: it resumes from the newest durable checkpoint at or before the fault
-                durable = job.checkpoints.filter(state=CheckpointState.DURABLE, step__lte=step_at_fault)
-                lost_steps += max(0, step_at_fault - (durable.aggregate(m=Max("step"))["m"] or 0))
+        # One definition of steps lost (RestartCycle.steps_lost), on the values alone.
+        c = RestartCycle(step_at_fault=steps[0], resumed_from_step=steps[1], step_at_fault_estimate=steps[2])
+        durable = None
+        at_fault = c.step_at_fault if c.step_at_fault is not None else c.step_at_fault_estimate
+        if c.resumed_from_step is None and at_fault is not None:
+            # still recovering: it resumes from the newest durable checkpoint at or before the fault
+            durable = job.checkpoints.filter(state=CheckpointState.DURABLE, step__lte=at_fault).aggregate(
+                m=Max("step"))["m"] or 0
+        lost_steps += c.steps_lost(durable_step=durable) or 0
     seconds["recovery"], merged = _union_length(intervals)
     seconds["checkpoint_blocking"] = _blocking(job, train_from, end, merged)
 

@@ -209,7 +209,15 @@ class Event(models.Model):
 
 
 class RestartCycle(models.Model):
-    """One recovery: from the fault to the first completed step after it, handled by one layer."""
+    """One recovery: from the fault to the first completed step after it, handled by one layer.
+
+    ``step_at_fault`` and ``resumed_from_step`` are the trainer's own numbers: the last step the rank
+    completed before the fault (fault facts and the ``fault_at`` mark carry it) and the checkpoint step
+    it loaded (the ``checkpoint_loaded_at`` mark; at Level 0/1, the first step after the restart minus
+    one). An older trainer that sends no step gets the control plane's freshest step instead (see
+    ``ingestion._apply_cycles``). A restart an operator asked for starts at the command's issue time
+    (``fault_at``) and spends ``fault_at`` → ``delivered_at`` waiting for the trainer to fetch it.
+    """
 
     job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="cycles")
     key = models.CharField(max_length=64)
@@ -223,6 +231,11 @@ class RestartCycle(models.Model):
     first_step_at = models.DateTimeField(null=True, blank=True)
     resumed_from_step = models.IntegerField(null=True, blank=True)
     step_at_fault = models.IntegerField(null=True, blank=True)
+    # An older trainer's fault carries no step: the control plane's freshest step when the cycle opened
+    # stands in (read only while ``step_at_fault`` is unknown, so a late fact still wins).
+    step_at_fault_estimate = models.IntegerField(null=True, blank=True)
+    command = models.ForeignKey("Command", null=True, blank=True, on_delete=models.SET_NULL, related_name="cycles")
+    delivered_at = models.DateTimeField(null=True, blank=True)  # a command's: when the trainer fetched it
     # Set when this layer gave up and a later cycle (by key) recovered instead: e.g. an in-process
     # restart that a SIGKILL cut short, finished by ft_launcher. Its first_step_at is then its last mark.
     escalated_to = models.CharField(max_length=64, blank=True)
@@ -252,15 +265,27 @@ class RestartCycle(models.Model):
 
     @property
     def lost_steps(self) -> int | None:
-        if self.step_at_fault is not None and self.resumed_from_step is not None:
-            return max(0, self.step_at_fault - self.resumed_from_step)
-        return None
+        """Steps recomputed because of this cycle (every view and goodput's lost work read this)."""
+        return self.steps_lost()
+
+    def steps_lost(self, *, durable_step: int | None = None) -> int | None:
+        """Step at the fault minus the step restored from; while the cycle has not restored yet,
+        ``durable_step`` (the newest durable checkpoint at or before the fault) stands in for it."""
+        at_fault = self.step_at_fault if self.step_at_fault is not None else self.step_at_fault_estimate
+        resumed = self.resumed_from_step if self.resumed_from_step is not None else durable_step
+        if at_fault is None or resumed is None:
+            return None
+        return max(0, at_fault - resumed)
 
     def durations(self) -> dict[str, float | None]:
-        """Seconds spent in each phase of the cycle: detect, abort, restart, reload, first step."""
+        """Seconds spent in each phase of the cycle: (for a command: deliver), detect, abort, restart,
+        reload, first step."""
         marks = [self.fault_at, self.detected_at, self.aborted_at, self.restarted_at,
                  self.checkpoint_loaded_at, self.first_step_at]
         names = ["detect", "abort", "restart", "reload", "first_step"]
+        if self.delivered_at is not None:
+            marks.insert(1, self.delivered_at)
+            names.insert(0, "deliver")
         out: dict[str, float | None] = {}
         for name, a, b in zip(names, marks, marks[1:], strict=False):
             out[name] = max(0.0, (b - a).total_seconds()) if a and b else None
