@@ -20,7 +20,8 @@ from django.utils import timezone
 from django.views.decorators.http import require_GET
 
 from controlplane.jobs.goodput import PARTS
-from controlplane.jobs.models import Checkpoint, Fault, Job, QuarantinedHeartbeat, Rank, RestartCycle
+from controlplane.jobs import outages
+from controlplane.jobs.models import Checkpoint, Fault, Job, Outage, QuarantinedHeartbeat, Rank, RestartCycle
 from controlplane.supervisor import read_state
 from trainer.wire import CheckpointState
 
@@ -160,6 +161,7 @@ def render_metrics(now) -> str:
         out.sample("unbroken_ingest_quarantined_total", n, job=job_id)
 
     _supervised(out)
+    _outages(out, now)
 
     out.family("unbroken_rank_heartbeat_age_seconds", "gauge", "Seconds since the rank's last heartbeat.")
     for job_id, rank, node, hb in (
@@ -175,6 +177,19 @@ def render_metrics(now) -> str:
             node=node,
         )
     return out.text()
+
+
+def _outages(out: Exposition, now) -> None:
+    """The control plane's own outages (dependencies unreachable, ingest or the watchdog stopped)."""
+    counts = outages.outage_counts()
+    out.family("unbroken_control_plane_outages_total", "counter",
+               "Outages of the control plane's own parts and dependencies, by component.")
+    for c in Outage.Component:
+        out.sample("unbroken_control_plane_outages_total", counts.get(c.value, 0), component=c.value)
+    out.family("unbroken_control_plane_degraded", "gauge", "1 while a component is in an open outage.")
+    open_ = {o["component"] for o in outages.open_outages(now)}
+    for c in Outage.Component:
+        out.sample("unbroken_control_plane_degraded", int(c.value in open_), component=c.value)
 
 
 def _supervised(out: Exposition) -> None:

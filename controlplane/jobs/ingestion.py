@@ -30,7 +30,7 @@ from django.db import connection, transaction
 from django.db.models import Q
 
 from controlplane.jobs import heartbeats as hb_store
-from controlplane.jobs import notifications
+from controlplane.jobs import notifications, outages
 from controlplane.jobs.models import (
     Checkpoint,
     Command,
@@ -201,8 +201,10 @@ def _record(job: Job, beats: list[dict], events: list[Any], source: str, *, now:
     if beats and not store.in_transaction:
         try:
             store.record(job.pk, beats, timeouts, now=now)
+            outages.dependency_ok(outages.Component.REDIS)
         except Exception as e:  # noqa: BLE001 - any store failure: keep the facts in the database instead
-            log.warning("heartbeat store failed (%s); writing job %s's heartbeats to the database", e, job.pk)
+            outages.dependency_failed(outages.Component.REDIS,
+                                      f"heartbeat store: {e}; ingest writes heartbeats to the database")
             try:
                 with transaction.atomic():
                     hb_store.DbHeartbeatStore().record(job.pk, beats, timeouts, now=now)

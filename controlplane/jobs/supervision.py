@@ -17,7 +17,7 @@ from django.db.models.functions import Coalesce
 from django.utils import timezone
 
 from controlplane.jobs import heartbeats as hb_store
-from controlplane.jobs import notifications
+from controlplane.jobs import notifications, outages
 from controlplane.jobs.models import (
     ACTIVE_STATUSES,
     Fault,
@@ -46,12 +46,21 @@ def run_watchdog(now: datetime | None = None, *, store: hb_store.HeartbeatStore 
     also isolates its jobs from one another)."""
     now = now or timezone.now()
     result = WatchdogResult()
+    try:  # first: a gap before this pass (or stopped ingest) is outage grace for the checks below
+        outages.note_watchdog_pass(now)
+        outages.check_ingest(now)
+    except Exception:
+        log.exception("watchdog: recording the control plane's outages failed")
     for name, check in (("lost", lambda: mark_overdue(now, store=store)), ("stalled", lambda: mark_stalled(now)),
                         ("storms", lambda: stop_storms(now))):
         try:
             setattr(result, name, check())
         except Exception:
             log.exception("watchdog: the %s check failed", name)
+    try:
+        outages.close_recovered(now, redis_ok=not outages.is_down(outages.Component.REDIS))
+    except Exception:
+        log.exception("watchdog: closing recovered outages failed")
     return result
 
 
@@ -88,8 +97,9 @@ def mark_overdue(now: datetime | None = None, *, store: hb_store.HeartbeatStore 
     store = store or hb_store.get_store()
     try:
         indexed = store.overdue(now)
+        outages.dependency_ok(outages.Component.REDIS)
     except Exception as e:  # noqa: BLE001 - a Redis outage: the database scan below still works
-        log.warning("watchdog: heartbeat store unavailable (%s); using the database only", e)
+        outages.dependency_failed(outages.Component.REDIS, f"heartbeat store: {e}; the watchdog reads the rows")
         indexed = []
     by_job: dict[int, set[int]] = {}
     for j, r, _ in indexed:
@@ -102,7 +112,9 @@ def mark_overdue(now: datetime | None = None, *, store: hb_store.HeartbeatStore 
     if not by_job:
         return 0
     jobs = {j.pk: j for j in Job.objects.filter(pk__in=list(by_job))}
+    windows = outages.grace_windows(now)
     handled: set[int] = set()
+    graced: set[tuple[int, int]] = set()  # (job, rank) past the deadline but inside outage grace: keep indexed
     n = 0
     for job_id in sorted(by_job):
         job = jobs.get(job_id)
@@ -113,11 +125,11 @@ def mark_overdue(now: datetime | None = None, *, store: hb_store.HeartbeatStore 
                 log.warning("watchdog: could not drop heartbeat state of job %s", job_id, exc_info=True)
             continue
         try:
-            n += _mark_job_lost(job, sorted(by_job[job_id]), now, store)
+            n += _mark_job_lost(job, sorted(by_job[job_id]), now, store, windows=windows, graced=graced)
             handled.add(job_id)
         except Exception:  # one job's failure must not stop the others' detection
             log.exception("watchdog: marking lost ranks of job %s failed", job_id)
-    entries = [e for e in indexed if e[0] in handled]
+    entries = [e for e in indexed if e[0] in handled and (e[0], e[1]) not in graced]
     if entries:
         try:
             store.forget(entries)
@@ -126,16 +138,27 @@ def mark_overdue(now: datetime | None = None, *, store: hb_store.HeartbeatStore 
     return n
 
 
-def _mark_job_lost(job: Job, ranks: list[int], now: datetime, store: hb_store.HeartbeatStore) -> int:
+def _mark_job_lost(job: Job, ranks: list[int], now: datetime, store: hb_store.HeartbeatStore, *,
+                   windows: list[tuple[float, float]] = (), graced: set[tuple[int, int]] | None = None) -> int:
     try:
         fresh = store.freshest(job.pk, ranks)
     except Exception as e:  # noqa: BLE001 - Redis down: judge by the rows (heartbeats fall back to them)
-        log.warning("watchdog: heartbeat store unavailable for job %s (%s); using the rows", job.pk, e)
+        outages.dependency_failed(outages.Component.REDIS, f"heartbeat store: {e}; the watchdog reads the rows")
         fresh = {}
     timeouts = hb_store.Timeouts.of(job.spec)
     with transaction.atomic():
         if fresh:
             hb_store.upsert_ranks(job.pk, fresh.values(), timeouts, now=now)
+        if windows:  # outage grace: the deadline moves by the outage time after the rank's last beat
+            t = now.timestamp()
+            inside = {r for r, hb, stale in Rank.objects.filter(job=job, rank__in=ranks, stale_at__isnull=False)
+                      .values_list("rank", "last_heartbeat_at", "stale_at")
+                      if stale.timestamp() + outages.grace_s(windows, (hb or stale).timestamp(), t) >= t}
+            if graced is not None:
+                graced.update((job.pk, r) for r in inside)
+            ranks = [r for r in ranks if r not in inside]
+            if not ranks:
+                return 0
         claimed = _claim("lost_at", job.pk, ranks, now, "lost_at IS NULL AND stale_at < %s")
         if not claimed:
             return 0

@@ -11,7 +11,7 @@ import logging
 
 from celery import shared_task
 
-from controlplane.jobs import heartbeats, notifications, supervision
+from controlplane.jobs import heartbeats, notifications, outages, supervision
 
 log = logging.getLogger(__name__)
 
@@ -39,8 +39,9 @@ def _maybe_schedule_flush() -> None:
         return
     try:
         due = store.redis.set(store.FLUSH_DUE, "1", nx=True, px=int(heartbeats.flush_interval_s() * 1000))
-    except Exception:  # noqa: BLE001 - Redis down: ingest falls back to the database meanwhile
-        log.warning("cannot reach Redis to schedule the heartbeat flush", exc_info=True)
+    except Exception as e:  # noqa: BLE001 - Redis down: ingest falls back to the database meanwhile
+        outages.dependency_failed(outages.Component.REDIS, f"cannot schedule the heartbeat flush: {e}")
         return
+    outages.dependency_ok(outages.Component.REDIS)
     if due:
         flush_heartbeats.delay()
