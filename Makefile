@@ -8,7 +8,7 @@ export UNBROKEN_DATA_DIR ?= $(DATA)
 export UNBROKEN_SECRET_KEY_FILE ?= $(DATA)/secret_key
 export PYTHONPATH := $(CURDIR)
 
-.PHONY: up install test test-fast bench-ingest bench-recovery bench-checkpoint bench-dashboard bench-sdk k8s-e2e clean
+.PHONY: up install test test-fast bench-ingest bench-recovery bench-checkpoint bench-dashboard bench-sdk bench-chaos k8s-e2e clean
 
 $(VENV)/.installed: requirements.lock trainer/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -51,6 +51,9 @@ bench-dashboard: install $(DATA)/secret_key
 
 bench-sdk: install $(DATA)/secret_key
 	$(PY) tests/bench/bench_sdk.py
+
+bench-chaos: install $(DATA)/secret_key
+	$(PY) tests/bench/bench_chaos.py
 
 k8s-e2e: install $(DATA)/secret_key
 	$(PY) -m pytest tests/k8s_e2e -m k8s_e2e -v
