@@ -235,6 +235,7 @@ class Context:
         if self._control is None:
             raise RuntimeError("unbroken: call ctx.init_process_group() before ctx.step(...)")
         rank = dist.get_rank()
+        s.last_step = step  # completed: a fault from here on (a drill, a NaN) is at this step
         for d in impl.drills.due(step, rank=rank):
             if d.fault == DrillFault.NAN_LOSS:
                 s.record_fault(FaultClass.NAN_LOSS, f"drill {d.key}")
@@ -255,7 +256,7 @@ class Context:
         s.reporter.heartbeat(step=step, phase=Phase.TRAIN, loss=loss, step_time_s=dt,
                              tokens_per_s=tokens / dt if tokens and dt else None)
         impl.step_no, impl.loss = step, loss
-        s.last_loss, s.last_step = loss, step
+        s.last_loss = loss
         if self._first:
             self._first = False
             s.mark(self.cycle, CycleMark.FIRST_STEP, step=step)
