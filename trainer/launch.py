@@ -217,8 +217,10 @@ class LauncherHooks:
     def mark(self, cycle: str | None, mark: CycleMark, *, at: float | None = None, step: int | None = None,
              command_id: int | None = None) -> None:
         if cycle:
-            data = {"cycle": cycle, "layer": Layer.IN_JOB, "mark": mark, "step": step, "command_id": command_id}
-            self.reporter.event(EventKind.CYCLE, {k: v for k, v in data.items() if v is not None}, at=at, rank=None)
+            data = {"cycle": cycle, "layer": Layer.IN_JOB, "mark": mark, "step": step,
+                    "command_id": command_id}
+            self.reporter.event(EventKind.CYCLE, {k: v for k, v in data.items() if v is not None},
+                                at=at, rank=None)
 
     def on_failure(self, agent: Any, wg: Any, result: Any) -> None:
         detected_at = time.time()
@@ -247,8 +249,8 @@ class LauncherHooks:
         if facts.get("kind") == "command" and will_restart:
             self.restarting_cycle = cycle_key(attempt=self.attempt, restart_count=round_ + 1)
             if facts.get("at"):
-                self.mark(self.restarting_cycle, CycleMark.FAULT, at=float(facts["at"]), step=facts.get("step"),
-                          command_id=facts.get("command_id"))
+                self.mark(self.restarting_cycle, CycleMark.FAULT, at=float(facts["at"]),
+                          step=facts.get("step"), command_id=facts.get("command_id"))
             self.mark(self.restarting_cycle, CycleMark.DETECTED, at=detected_at)
             return
         first = min(failures) if failures else None

@@ -234,7 +234,8 @@ class RestartCycle(models.Model):
     # An older trainer's fault carries no step: the control plane's freshest step when the cycle opened
     # stands in (read only while ``step_at_fault`` is unknown, so a late fact still wins).
     step_at_fault_estimate = models.IntegerField(null=True, blank=True)
-    command = models.ForeignKey("Command", null=True, blank=True, on_delete=models.SET_NULL, related_name="cycles")
+    command = models.ForeignKey("Command", null=True, blank=True, on_delete=models.SET_NULL,
+                                related_name="cycles")
     delivered_at = models.DateTimeField(null=True, blank=True)  # a command's: when the trainer fetched it
     # Set when this layer gave up and a later cycle (by key) recovered instead: e.g. an in-process
     # restart that a SIGKILL cut short, finished by ft_launcher. Its first_step_at is then its last mark.
@@ -461,8 +462,8 @@ class Outage(models.Model):
     detail = models.CharField(max_length=500, blank=True)
 
     class Meta:
-        constraints = [models.UniqueConstraint(fields=["component"], condition=models.Q(ended_at__isnull=True),
-                                               name="one_open_outage_per_component")]
+        constraints = [models.UniqueConstraint(fields=["component"], name="one_open_outage_per_component",
+                                               condition=models.Q(ended_at__isnull=True))]
         indexes = [models.Index(fields=["ended_at"]), models.Index(fields=["started_at"])]
         ordering = ["-started_at", "-id"]
 

@@ -99,7 +99,8 @@ def mark_overdue(now: datetime | None = None, *, store: hb_store.HeartbeatStore 
         indexed = store.overdue(now)
         outages.dependency_ok(outages.Component.REDIS)
     except Exception as e:  # noqa: BLE001 - a Redis outage: the database scan below still works
-        outages.dependency_failed(outages.Component.REDIS, f"heartbeat store: {e}; the watchdog reads the rows")
+        outages.dependency_failed(outages.Component.REDIS,
+                                  f"heartbeat store: {e}; the watchdog reads the rows")
         indexed = []
     by_job: dict[int, set[int]] = {}
     for j, r, _ in indexed:
@@ -114,7 +115,7 @@ def mark_overdue(now: datetime | None = None, *, store: hb_store.HeartbeatStore 
     jobs = {j.pk: j for j in Job.objects.filter(pk__in=list(by_job))}
     windows = outages.grace_windows(now)
     handled: set[int] = set()
-    graced: set[tuple[int, int]] = set()  # (job, rank) past the deadline but inside outage grace: keep indexed
+    graced: set[tuple[int, int]] = set()  # (job, rank) past the deadline, inside outage grace: keep indexed
     n = 0
     for job_id in sorted(by_job):
         job = jobs.get(job_id)
@@ -139,11 +140,13 @@ def mark_overdue(now: datetime | None = None, *, store: hb_store.HeartbeatStore 
 
 
 def _mark_job_lost(job: Job, ranks: list[int], now: datetime, store: hb_store.HeartbeatStore, *,
-                   windows: list[tuple[float, float]] = (), graced: set[tuple[int, int]] | None = None) -> int:
+                   windows: list[tuple[float, float]] = (),
+                   graced: set[tuple[int, int]] | None = None) -> int:
     try:
         fresh = store.freshest(job.pk, ranks)
     except Exception as e:  # noqa: BLE001 - Redis down: judge by the rows (heartbeats fall back to them)
-        outages.dependency_failed(outages.Component.REDIS, f"heartbeat store: {e}; the watchdog reads the rows")
+        outages.dependency_failed(outages.Component.REDIS,
+                                  f"heartbeat store: {e}; the watchdog reads the rows")
         fresh = {}
     timeouts = hb_store.Timeouts.of(job.spec)
     with transaction.atomic():
@@ -151,8 +154,9 @@ def _mark_job_lost(job: Job, ranks: list[int], now: datetime, store: hb_store.He
             hb_store.upsert_ranks(job.pk, fresh.values(), timeouts, now=now)
         if windows:  # outage grace: the deadline moves by the outage time after the rank's last beat
             t = now.timestamp()
-            inside = {r for r, hb, stale in Rank.objects.filter(job=job, rank__in=ranks, stale_at__isnull=False)
-                      .values_list("rank", "last_heartbeat_at", "stale_at")
+            rows = Rank.objects.filter(job=job, rank__in=ranks, stale_at__isnull=False).values_list(
+                "rank", "last_heartbeat_at", "stale_at")
+            inside = {r for r, hb, stale in rows
                       if stale.timestamp() + outages.grace_s(windows, (hb or stale).timestamp(), t) >= t}
             if graced is not None:
                 graced.update((job.pk, r) for r in inside)

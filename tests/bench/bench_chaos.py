@@ -87,7 +87,8 @@ class Api:
         self.base = base
         self.auth = "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()
 
-    def call(self, method: str, path: str, body: dict | None = None, timeout: float = 10.0) -> tuple[int, dict]:
+    def call(self, method: str, path: str, body: dict | None = None,
+             timeout: float = 10.0) -> tuple[int, dict]:
         req = urllib.request.Request(self.base + path, method=method,
                                      data=json.dumps(body).encode() if body is not None else None,
                                      headers={"Authorization": self.auth, "Content-Type": "application/json"})
@@ -207,8 +208,9 @@ def main() -> int:
     for cmd in (["migrate", "--noinput", "-v", "0"], ["ensure_operator"]):
         subprocess.run([py, "manage.py", *cmd], cwd=ROOT, env=env, check=True, stdout=subprocess.DEVNULL)
     serve_log = open(tmp / "serve.log", "w")  # noqa: SIM115 - closed at the end
-    serve = subprocess.Popen([py, "manage.py", "serve", "--port", str(web_port), "--web-workers", "1"], cwd=ROOT,
-                             env=env, stdout=serve_log, stderr=subprocess.STDOUT, start_new_session=True)
+    serve = subprocess.Popen([py, "manage.py", "serve", "--port", str(web_port), "--web-workers", "1"],
+                             cwd=ROOT, env=env, stdout=serve_log, stderr=subprocess.STDOUT,
+                             start_new_session=True)
     result: dict[str, int] = {}
     up = 0
     try:
@@ -241,8 +243,8 @@ def main() -> int:
         worker = int(children()["worker"]["pid"])
         os.kill(worker, signal.SIGKILL)
         log(f"1. killed the Celery worker (pid {worker}) with SIGKILL")
-        wait_for(lambda: (h := health(base)) and h["worker"]["alive"] == "1" and h["worker"]["pid"] != str(worker),
-                 60, "the worker to come back")
+        wait_for(lambda: (h := health(base)) and h["worker"]["alive"] == "1"
+                 and h["worker"]["pid"] != str(worker), 60, "the worker to come back")
         log("   the worker is back")
         time.sleep(5)
         redis_proc.terminate()
@@ -271,7 +273,8 @@ def main() -> int:
         log(f"job {job_id} {final.get('status')}: {final.get('status_reason', '')}")
         time.sleep(3)  # the trainers' last batches
         h = health(base)
-        up = int(serve.poll() is None and bool(h) and len(h) == 3 and all(c["alive"] == "1" for c in h.values()))
+        up = int(serve.poll() is None and bool(h) and len(h) == 3
+                 and all(c["alive"] == "1" for c in h.values()))
         log(f"supervisor children at the end: {h}")
         result = compare(db_url, job_id, journal(journal_dir))
     finally:
@@ -285,7 +288,8 @@ def main() -> int:
         serve_log.close()
         text = (tmp / "serve.log").read_text(errors="replace")
         log(f"serve log: {len(text.splitlines())} lines, {text.count('Traceback')} tracebacks, "
-            f"{text.count(' ERROR ')} ERROR lines, {text.count(' WARNING ')} WARNING lines ({tmp / 'serve.log'})")
+            f"{text.count(' ERROR ')} ERROR lines, {text.count(' WARNING ')} WARNING lines "
+            f"({tmp / 'serve.log'})")
     print(" ".join(f"{k}={result.get(k, -1)}" for k in
                    ("events_sent", "events_stored", "duplicates", "false_faults", "steps_lost_mismatch"))
           + f" control_plane_up={up}")

@@ -54,8 +54,9 @@ def degraded_banner() -> str:
     if not open_:
         return ""
     items = "".join(
-        format_html("<li><b>{}</b> since {} UTC ({}): {}</li>", o["component"], o["since"].strftime("%H:%M:%S"),
-                    fmt_s((now - o["since"]).total_seconds()), o["detail"] or "unavailable")
+        format_html("<li><b>{}</b> since {} UTC ({}): {}</li>", o["component"],
+                    o["since"].strftime("%H:%M:%S"), fmt_s((now - o["since"]).total_seconds()),
+                    o["detail"] or "unavailable")
         for o in open_)
     return format_html(
         '<div class="banner-degraded" role="alert"><b>Control plane degraded.</b> Training continues and '

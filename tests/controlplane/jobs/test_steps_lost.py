@@ -18,7 +18,8 @@ def test_it_counts_steps_lost_from_the_fault_step_and_the_restored_step_not_its_
     # The control plane's copy of the step lags the trainer (flush, batching).
     job, _ = make_job(last_step=45, created_at=start, started_at=start, first_step_at=start)
     record(job, events=[cycle_ev("d", "a0-ij1", "detected_at", t + 1, layer="in_job")])  # the first fact seen
-    record(job, events=[ev("f", "fault", {"fault": "process_killed", "cycle": "a0-ij1", "step": 60}, at=t + 1),
+    fault = {"fault": "process_killed", "cycle": "a0-ij1", "step": 60}
+    record(job, events=[ev("f", "fault", fault, at=t + 1),
                         cycle_ev("m", "a0-ij1", "fault_at", t, layer="in_job", step=60),
                         cycle_ev("l", "a0-ij1", "checkpoint_loaded_at", t + 3, layer="in_job", step=40),
                         cycle_ev("s", "a0-ij1", "first_step_at", t + 4, layer="in_job", step=41)])
@@ -71,10 +72,11 @@ def test_it_shows_a_step_saved_again_after_an_abandoned_attempt_as_durable_and_k
     t = time.time() - 30
     record(job, events=[ev("k1", "checkpoint", {"step": 60, "state": "in_flight", "mode": "async"}, at=t)])
     record(job, events=[ev("k2", "checkpoint", {"step": 60, "state": "abandoned"}, at=t + 1)])
-    record(job, events=[ev("k3", "checkpoint", {"step": 60, "state": "in_flight", "mode": "async"}, at=t + 5)])
+    record(job, events=[ev("k3", "checkpoint", {"step": 60, "state": "in_flight"}, at=t + 5)])
     record(job, events=[ev("k4", "checkpoint", {"step": 60, "state": "durable", "write_s": 0.5}, at=t + 6)])
     record(job, events=[ev("k2", "checkpoint", {"step": 60, "state": "abandoned"}, at=t + 1)])  # a retry
-    rows = list(Checkpoint.objects.filter(job=job, step=60).order_by("started_at").values_list("state", flat=True))
+    rows = list(Checkpoint.objects.filter(job=job, step=60).order_by("started_at")
+                .values_list("state", flat=True))
     assert rows == ["abandoned", "durable"]
 
 
