@@ -181,7 +181,9 @@ def job_new(request):
     problems = launch_services.preflight(spec=spec)
     if problems:
         for problem in problems:
-            form.add_error(None, f"Cannot launch: {problem}")
+            key, _, message = problem.partition(": ")  # "max_no_progress_restarts: needs NVRx 0.6.0 ..."
+            field = form.field_for(key) if message else None
+            form.add_error(field, f"Cannot launch: {message if field else problem}")
         return render(request, "dashboard/job_new.html", {"form": form, "presets": presets}, status=400)
     if not _confirmed(request):
         return _confirm(

@@ -17,8 +17,9 @@ from django.db.models import Count, Max, Q
 from controlplane.dashboard import charts
 from controlplane.dashboard.outage_band import add_outage_bands
 from controlplane.dashboard.timeline import job_spans, rank_spans, ts
-from controlplane.jobs import outages
+from controlplane.jobs import figures, health, outages
 from controlplane.jobs.goodput import PARTS, Epoch
+from controlplane.jobs.heartbeats import Timeouts
 from controlplane.jobs.models import (
     AuditEntry,
     Checkpoint,
@@ -31,6 +32,7 @@ from controlplane.jobs.models import (
     RestartCycle,
     TrainingSample,
 )
+from controlplane.launchers.logs import log_tail
 from trainer.wire import CheckpointState, Layer
 
 FOLLOW_WINDOW_S = 600.0
@@ -136,11 +138,7 @@ def jobs_signature(jobs: list[Job]) -> str:
 
 def job_rows(jobs: list[Job], now: datetime) -> list[dict]:
     ids = [j.pk for j in jobs]
-    restarts: dict[int, dict[str, int]] = {}
-    for job_id, layer, n in (
-        RestartCycle.objects.filter(job_id__in=ids).values_list("job_id", "layer").annotate(n=Count("id"))
-    ):
-        restarts.setdefault(job_id, {})[layer] = n
+    restarts = figures.restarts_by_layer(ids)
     durable = dict(
         Checkpoint.objects.filter(job_id__in=ids, state=CheckpointState.DURABLE)
         .values_list("job_id")
@@ -154,7 +152,7 @@ def job_rows(jobs: list[Job], now: datetime) -> list[dict]:
             {
                 "job": j,
                 "steps": steps,
-                "progress_pct": min(100, round(100 * j.last_step / steps)) if steps else 0,
+                "progress_pct": figures.progress_pct(j),
                 "restarts": [
                     (charts.LAYER_NAMES[k], by_layer.get(k, 0))
                     for k in (Layer.IN_PROCESS, Layer.IN_JOB, Layer.JOB)
@@ -181,9 +179,15 @@ def lanes_for(job: Job, now: datetime) -> list[dict]:
     if cached is not None:
         return cached
     ranks = {r.rank: r for r in Rank.objects.filter(job=job)}
+    ids = sorted(set(range(job.world_size)) | set(ranks))
+    # Each row moved forward to the heartbeat store's newest beat, judged by the watchdog's own rule.
+    fresh = figures.freshest(job, ids) if job.is_active else {}
+    timeouts = Timeouts.of(job.spec)
     lanes = []
-    for i in sorted(set(range(job.world_size)) | set(ranks)):
+    for i in ids:
         r = ranks.get(i)
+        if i in fresh:
+            r = health.current(r or Rank(job=job, rank=i), fresh[i], timeouts, now)
         lanes.append({"rank": i, "node": r.node if r else "", "row": r})
     lanes.sort(key=lambda ln: (ln["node"], ln["rank"]))
     job._dashboard_lanes = lanes
@@ -365,7 +369,9 @@ def _checkpoint_rows(job: Job) -> list[tuple]:
 def checkpoint_part(job: Job) -> dict:
     rows = []
     for started_at, finished_at, blocking_s, write_s, nbytes, mode, state, step in _checkpoint_rows(job):
-        elapsed = max(0.0, finished_at - started_at) if finished_at is not None else None
+        fig = figures.checkpoint_figures(
+            started_at=started_at, finished_at=finished_at, state=state, write_s=write_s, nbytes=nbytes
+        )
         rows.append(
             {
                 "started_at": started_at,
@@ -373,14 +379,12 @@ def checkpoint_part(job: Job) -> dict:
                 "mode": mode,
                 "state": state,
                 "blocking_s": blocking_s,
-                "elapsed_s": elapsed,
-                "durable_s": elapsed if state == CheckpointState.DURABLE else None,
-                "mb_per_s": (nbytes / write_s / 1e6) if nbytes and write_s else None,
+                "elapsed_s": fig.elapsed_s,
+                "durable_s": fig.durable_s,
+                "mb_per_s": fig.mb_per_s,
             }
         )
-    counts = {s.value: 0 for s in CheckpointState}
-    for r in rows:
-        counts[r["state"]] = counts.get(r["state"], 0) + 1
+    counts = figures.checkpoint_counts(r["state"] for r in rows)
     return {"chart": charts.checkpoint_figure(rows), "counts": counts, "recent": list(reversed(rows[-8:]))}
 
 
@@ -402,19 +406,18 @@ def faults_part(job: Job, params) -> dict:
     page = Paginator(qs, FAULTS_PER_PAGE).get_page(params.get("page"))
     rows = []
     for f in page.object_list:
-        c = f.cycle
+        fig = figures.fault_figures(f)
         rows.append(
             {
                 "f": f,
-                "layer": (charts.LAYER_NAMES.get(c.layer, c.layer)
-                          + (f" → escalated ({c.escalated_to})" if c.escalated_to else "")) if c else "",
-                "detection": charts.fmt_s(
-                    c.detection_s if c and c.detection_s is not None else f.detection_s
-                ),
-                "recovery": charts.fmt_s(c.recovery_s)
-                if c and c.recovery_s is not None
-                else ("in progress" if c else "–"),
-                "lost": f.lost_steps if f.lost_steps is not None else (c.lost_steps if c else None),
+                "layer": (charts.LAYER_NAMES.get(fig.layer, fig.layer)
+                          + (f" → escalated ({fig.escalated_to})" if fig.escalated_to else ""))
+                if fig.layer is not None else "",
+                "detection": charts.fmt_s(fig.detection_s),
+                "recovery": charts.fmt_s(fig.recovery_s)
+                if fig.recovery_s is not None
+                else ("in progress" if fig.recovering else "–"),
+                "lost": fig.lost_steps,
             }
         )
     classes = sorted(set(Fault.objects.filter(job=job).values_list("fault_class", flat=True).distinct()))
@@ -494,48 +497,23 @@ def goodput_part(job: Job, now: datetime) -> dict:
     }
 
 
-def _freshest(job: Job, ranks: list[int]) -> dict:
-    """Newer heartbeats than the Rank rows hold (the Redis store writes rows on its flush); {} otherwise."""
-    try:
-        from controlplane.jobs import heartbeats
-
-        return heartbeats.get_store().freshest(job.pk, ranks)
-    except Exception:  # noqa: BLE001 - the rows are the fallback: a store hiccup must not break the page
-        return {}
-
-
 def ranks_part(job: Job, now: datetime) -> dict:
     lanes = lanes_for(job, now)
-    fresh = _freshest(job, [ln["rank"] for ln in lanes]) if job.is_active else {}
     rows = []
-    for ln in lanes:
-        r = ln["row"]
-        if r is None:
-            rows.append({"rank": ln["rank"], "node": "", "health": "unknown", "age": None, "hb_at": None})
-            continue
-        hb_at, phase, step, loss, step_time_s = (
-            ts(r.last_heartbeat_at),
-            r.phase,
-            r.last_step,
-            r.loss,
-            r.step_time_s,
-        )
-        st = fresh.get(r.rank)
-        if st is not None and (hb_at is None or st.at > hb_at):
-            hb_at, phase, step, loss, step_time_s = st.at, st.phase, st.step, st.loss, st.step_time_s
+    for f in figures.rank_figures(job, [ln["row"] or (ln["rank"], None) for ln in lanes], now):
         rows.append(
             {
-                "rank": r.rank,
-                "node": r.node,
-                "health": r.health_at(now) if job.is_active else "stopped",
-                "age": now.timestamp() - hb_at if hb_at else None,
-                "hb_at": hb_at,
-                "hb_ms": int(hb_at * 1000) if hb_at else None,
-                "phase": phase,
-                "step": step,
-                "loss": loss,
-                "step_time_s": step_time_s,
-                "pid": r.pid,
+                "rank": f.rank,
+                "node": f.node,
+                "health": f.health,
+                "age": now.timestamp() - f.hb_at if f.hb_at else None,
+                "hb_at": f.hb_at,
+                "hb_ms": int(f.hb_at * 1000) if f.hb_at else None,
+                "phase": f.phase,
+                "step": f.step,
+                "loss": f.loss,
+                "step_time_s": f.step_time_s,
+                "pid": f.pid,
             }
         )
     quarantined = list(QuarantinedHeartbeat.objects.filter(job=job).order_by("-at")[:QUARANTINE_SHOWN])
@@ -586,18 +564,7 @@ def audit_part(job: Job) -> dict:
 
 
 def log_part(job: Job) -> dict:
-    if job.backend != "local":
-        return {
-            "available": False,
-            "why": f"log tails are kept for local jobs; see the {job.backend} backend's logs",
-        }
-    try:
-        from controlplane.launchers.base import get_launcher
-
-        text = get_launcher(job.backend).log_tail(job, max_bytes=12000)
-    except Exception as e:  # the launcher is optional on this page: show why, never fail the page
-        return {"available": False, "why": f"log not available: {e}"}
-    if not text:
-        return {"available": False, "why": "no log yet (the job has not started writing one)"}
-    return {"available": True, "text": text}
-
+    tail = log_tail(job)
+    if tail.text is None:
+        return {"available": False, "why": tail.why}
+    return {"available": True, "text": tail.text}

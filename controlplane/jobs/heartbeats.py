@@ -6,17 +6,17 @@ Two stores with one interface (``record``, ``flush``, ``overdue``, ``freshest``,
   transaction. Rank rows are always current.
 - ``RedisHeartbeatStore`` (``REDIS_URL`` set): one Lua call per batch keeps, per job, the newest ``at``
   and state (the beat as JSON) by rank in two hashes, the job's progress (max step, first train beat),
-  a global deadline ZSET and a dirty set. ``flush()`` (a Celery task the watchdog schedules every
-  ``HEARTBEAT_FLUSH_INTERVAL_S``) upserts the dirty ranks' rows and the jobs' progress. The watchdog
-  reads the deadline ZSET, so lost-rank detection does not wait for a flush.
+  a global deadline ZSET and a dirty set. ``flush()`` (a Celery task the beat schedule runs every
+  ``HEARTBEAT_FLUSH_INTERVAL_S``; the one writer of rows from Redis) upserts the dirty ranks' rows and the
+  jobs' progress. The watchdog reads the deadline ZSET, so lost-rank detection does not wait for a flush.
 
 Accepted trade-offs (Redis store):
 
 - ``Rank`` rows and ``Job.last_step/max_step/last_progress_at`` (so the dashboard and stall detection)
   lag Redis by up to one flush interval plus the flush's duration (5 s by default; a 100,000-rank
   flush is ~1 s of CPU, paced to half duty, so ~2 s of wall time, longer under heavy load).
-  Heartbeat-lost detection does not lag: the watchdog reads deadlines from Redis and writes a rank's
-  freshest state before it claims it.
+  Heartbeat-lost detection does not lag: the watchdog reads deadlines from Redis and judges a rank by
+  its freshest state (``jobs.health``, which the dashboard reads too) before it claims it.
 - ``Rank.step_changed_at`` is exact to one flush interval (the flush sees the step change, not the beat
   that made it); stall timeouts are minutes.
 - Redis runs without persistence in the reference set-up. If it restarts empty, the flushed rows remain
@@ -516,7 +516,6 @@ class RedisHeartbeatStore:
         self.DIRTY = f"{prefix}:dirty"
         self.FLUSHING = f"{prefix}:flushing"
         self.FLUSH_LOCK = f"{prefix}:flush-lock"
-        self.FLUSH_DUE = f"{prefix}:flush-due"
         self._record = self.redis.register_script(_RECORD_LUA)
         self._take = self.redis.register_script(_TAKE_DIRTY_LUA)
         self._forget = self.redis.register_script(_FORGET_LUA)

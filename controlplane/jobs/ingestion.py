@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import logging
 import math
-import time
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -217,25 +216,29 @@ def _record(job: Job, beats: list[dict], events: list[Any], source: str, *, now:
 
 
 SAMPLE_INTERVAL_S = 2.0
-_last_sample: dict[int, float] = {}  # job id -> monotonic time of this process's last sample
+_last_sample: dict[int, float] = {}  # job id -> beat time of this process's last sample (a cheap pre-check)
 sample_failures = 0  # training samples this process could not store (logged each time)
 
 
 def _maybe_sample(job: Job, beats: list[dict], now: datetime) -> None:
-    """Keep one heartbeat (the lowest rank's) every SAMPLE_INTERVAL_S per job and process, for the
-    loss and throughput charts. Best effort: runs after the batch is stored and never raises, so it
-    can neither fail the batch nor turn a stored batch into an error."""
+    """Keep one heartbeat (the lowest rank's) every SAMPLE_INTERVAL_S of beat time per job, across every
+    web process: the job row's lock orders the processes, and a sample is written only when the job has
+    none within the interval. Best effort: runs after the batch is stored and never raises, so it can
+    neither fail the batch nor turn a stored batch into an error."""
     global sample_failures
     try:
-        t = time.monotonic()
-        if t - _last_sample.get(job.pk, -1e9) < SAMPLE_INTERVAL_S:
-            return
         b = min(beats, key=lambda b: b["rank"])
-        if b["phase"] != Phase.TRAIN:
+        at = b["at"]
+        if b["phase"] != Phase.TRAIN or abs(at - _last_sample.get(job.pk, -1e18)) < SAMPLE_INTERVAL_S:
             return
-        _last_sample[job.pk] = t
         with transaction.atomic():  # a savepoint inside a caller's transaction: a failure leaves it usable
-            TrainingSample.objects.create(job_id=job.pk, at=hb_store.utc(b["at"]), rank=b["rank"],
+            list(Job.objects.select_for_update().filter(pk=job.pk).values_list("pk"))
+            near = TrainingSample.objects.filter(job_id=job.pk, at__gt=hb_store.utc(at - SAMPLE_INTERVAL_S),
+                                                 at__lt=hb_store.utc(at + SAMPLE_INTERVAL_S))
+            _last_sample[job.pk] = at
+            if near.exists():
+                return
+            TrainingSample.objects.create(job_id=job.pk, at=hb_store.utc(at), rank=b["rank"],
                                           step=b["step"], loss=b.get("loss"), step_time_s=b.get("step_time_s"),
                                           tokens_per_s=b.get("tokens_per_s"))
     except Exception:  # noqa: BLE001 - a chart point is not worth an error answer

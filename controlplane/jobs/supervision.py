@@ -17,18 +17,20 @@ from django.db.models.functions import Coalesce
 from django.utils import timezone
 
 from controlplane.jobs import heartbeats as hb_store
-from controlplane.jobs import notifications, outages
+from controlplane.jobs import health, launcher_port, notifications, outages
 from controlplane.jobs.models import (
     ACTIVE_STATUSES,
+    Command,
     Fault,
     Job,
     JobStatus,
     Notification,
     Rank,
+    RankHealth,
     RestartCycle,
 )
 from controlplane.jobs.services import set_status
-from trainer.wire import FaultClass
+from trainer.wire import CommandKind, FaultClass
 
 log = logging.getLogger(__name__)
 _CHUNK = 900  # ranks per claim statement (SQLite's variable limit is far above; keeps statements short)
@@ -86,11 +88,11 @@ def mark_overdue(now: datetime | None = None, *, store: hb_store.HeartbeatStore 
        database rows (``Rank.objects.overdue``: covers the database store, and with Redis, a Redis
        that restarted empty or a fallback to the database; then a grace of two flush intervals
        applies, so such a loss is found up to ``backstop_grace_s`` late).
-    2. Per job, write the store's freshest state of the candidates into their rows (only forward in
-       time), so a rank that beat after the last flush is not claimed.
+    2. Per job, judge each candidate by ``health.rank_health`` (its row with the store's freshest beat),
+       so a rank that beat after the last flush is not claimed. The watchdog writes no heartbeat rows.
     3. Claim ``lost_at`` with a conditional UPDATE; insert one fault per claimed rank (``source_key`` =
        rank + deadline); both in one transaction.
-    4. After the commit, drop the handled entries from the store's index (only if unchanged since read).
+    4. After the commit, drop the settled entries from the store's index (only if unchanged since read).
     Returns the number of ranks this call marked lost.
     """
     now = now or timezone.now()
@@ -114,8 +116,7 @@ def mark_overdue(now: datetime | None = None, *, store: hb_store.HeartbeatStore 
         return 0
     jobs = {j.pk: j for j in Job.objects.filter(pk__in=list(by_job))}
     windows = outages.grace_windows(now)
-    handled: set[int] = set()
-    graced: set[tuple[int, int]] = set()  # (job, rank) past the deadline, inside outage grace: keep indexed
+    settled: set[tuple[int, int]] = set()
     n = 0
     for job_id in sorted(by_job):
         job = jobs.get(job_id)
@@ -126,11 +127,12 @@ def mark_overdue(now: datetime | None = None, *, store: hb_store.HeartbeatStore 
                 log.warning("watchdog: could not drop heartbeat state of job %s", job_id, exc_info=True)
             continue
         try:
-            n += _mark_job_lost(job, sorted(by_job[job_id]), now, store, windows=windows, graced=graced)
-            handled.add(job_id)
+            claimed, done = _mark_job_lost(job, sorted(by_job[job_id]), now, store, windows=windows)
+            n += claimed
+            settled |= {(job_id, r) for r in done}
         except Exception:  # one job's failure must not stop the others' detection
             log.exception("watchdog: marking lost ranks of job %s failed", job_id)
-    entries = [e for e in indexed if e[0] in handled and (e[0], e[1]) not in graced]
+    entries = [e for e in indexed if (e[0], e[1]) in settled]
     if entries:
         try:
             store.forget(entries)
@@ -140,8 +142,16 @@ def mark_overdue(now: datetime | None = None, *, store: hb_store.HeartbeatStore 
 
 
 def _mark_job_lost(job: Job, ranks: list[int], now: datetime, store: hb_store.HeartbeatStore, *,
-                   windows: list[tuple[float, float]] = (),
-                   graced: set[tuple[int, int]] | None = None) -> int:
+                   windows: list[tuple[float, float]] = ()) -> tuple[int, set[int]]:
+    """Record a fault for, and claim, the ranks that ``health.rank_health`` finds lost (by the store's
+    freshest beat: the rows are the flush's to write, never the watchdog's). Returns (faults recorded,
+    ranks settled). A lost rank whose row the flush has not written yet gets its fault now (its
+    ``source_key`` is rank + deadline, so it is recorded once) and stays unsettled: its index entry is
+    kept, and a later pass claims the row once the flush has written it.
+
+    Outage grace (``windows``, from ``outages.grace_windows``): a rank's deadline moves by the outage
+    time after its last heartbeat; a rank past its deadline but inside that grace is not lost yet and
+    stays unsettled (indexed), so a later pass judges it again."""
     try:
         fresh = store.freshest(job.pk, ranks)
     except Exception as e:  # noqa: BLE001 - Redis down: judge by the rows (heartbeats fall back to them)
@@ -149,35 +159,42 @@ def _mark_job_lost(job: Job, ranks: list[int], now: datetime, store: hb_store.He
                                   f"heartbeat store: {e}; the watchdog reads the rows")
         fresh = {}
     timeouts = hb_store.Timeouts.of(job.spec)
+    rows = {r.rank: r for r in Rank.objects.filter(job=job, rank__in=ranks)}
+    views = {r: health.current(rows.get(r) or Rank(job=job, rank=r), fresh.get(r), timeouts, now)
+             for r in ranks}
+    lost = sorted(r for r, v in views.items() if v.lost_at is None and v.health_at(now) == RankHealth.LOST)
+    graced = {r for r in lost if views[r].stale_at is not None and _in_grace(views[r], windows, now)}
+    lost = [r for r in lost if r not in graced]
+    if not lost:
+        return 0, set(ranks) - graced
     with transaction.atomic():
-        if fresh:
-            hb_store.upsert_ranks(job.pk, fresh.values(), timeouts, now=now)
-        if windows:  # outage grace: the deadline moves by the outage time after the rank's last beat
-            t = now.timestamp()
-            rows = Rank.objects.filter(job=job, rank__in=ranks, stale_at__isnull=False).values_list(
-                "rank", "last_heartbeat_at", "stale_at")
-            inside = {r for r, hb, stale in rows
-                      if stale.timestamp() + outages.grace_s(windows, (hb or stale).timestamp(), t) >= t}
-            if graced is not None:
-                graced.update((job.pk, r) for r in inside)
-            ranks = [r for r in ranks if r not in inside]
-            if not ranks:
-                return 0
-        claimed = _claim("lost_at", job.pk, ranks, now, "lost_at IS NULL AND stale_at < %s")
-        if not claimed:
-            return 0
-        rows = []
-        for r in Rank.objects.filter(job=job, rank__in=claimed):
+        # The row's own deadline must have passed too: a flush that wrote a newer beat meanwhile wins.
+        claimed = set(_claim("lost_at", job.pk, lost, now, "lost_at IS NULL AND stale_at < %s"))
+        faults = {}
+        for rank in lost:
+            r = views[rank]
             age = (now - r.last_heartbeat_at).total_seconds() if r.last_heartbeat_at else 0.0
-            rows.append(Fault(
-                job=job, fault_class=FaultClass.HEARTBEAT_LOST, rank=r.rank, node=r.node, detected_by="watchdog",
-                message=f"no heartbeat from rank {r.rank} for {age:.1f} s (phase {r.phase}, "
+            key = f"heartbeat_lost:{rank}:{int(r.stale_at.timestamp() * 1000) if r.stale_at else 0}"
+            faults[key] = Fault(
+                job=job, fault_class=FaultClass.HEARTBEAT_LOST, rank=rank, node=r.node,
+                detected_by="watchdog",
+                message=f"no heartbeat from rank {rank} for {age:.1f} s (phase {r.phase}, "
                         f"deadline {r.stale_at.isoformat() if r.stale_at else '-'})",
-                at=r.last_heartbeat_at or now, detected_at=now,
-                source_key=f"heartbeat_lost:{r.rank}:{int(r.stale_at.timestamp() * 1000) if r.stale_at else 0}"))
-        Fault.objects.bulk_create(rows, ignore_conflicts=True)
-    log.warning("job %s: %d rank(s) lost (first: %s)", job.pk, len(claimed), sorted(claimed)[:5])
-    return len(claimed)
+                at=r.last_heartbeat_at or now, detected_at=now, source_key=key)
+        known = set(Fault.objects.filter(job=job, source_key__in=list(faults))
+                    .values_list("source_key", flat=True))
+        new = [f for k, f in faults.items() if k not in known]
+        Fault.objects.bulk_create(new, ignore_conflicts=True)
+    if new:
+        log.warning("job %s: %d rank(s) lost (first: %s)", job.pk, len(new), sorted(f.rank for f in new)[:5])
+    return len(new), ((set(ranks) - set(lost)) | claimed) - graced
+
+
+def _in_grace(r: Rank, windows: list[tuple[float, float]], now: datetime) -> bool:
+    """The rank's deadline, moved by the outage time after its last heartbeat, is still ahead."""
+    t = now.timestamp()
+    since = (r.last_heartbeat_at or r.stale_at).timestamp()
+    return r.stale_at.timestamp() + outages.grace_s(windows, since, t) >= t
 
 
 def mark_stalled(now: datetime | None = None) -> int:
@@ -257,22 +274,17 @@ def _stop_storm(job_id: int, count: int, now: datetime) -> int:
             return 0
         notifications.enqueue(job, Notification.Transition.STORM, "storm",
                               f"Job #{job.pk} {job.name} stopped: {reason}.", now=now)
-        transaction.on_commit(lambda job_id=job.pk: request_stop(job_id))
+        request_stop(job.pk, reason=reason)
     log.error("job %s: %s", job.pk, reason)
     return 1
 
 
-def request_stop(job_id: int) -> None:
-    """Ask the launcher to end the job's processes (its task; guarded until the launcher app has it)."""
-    try:
-        from controlplane.launchers.tasks import stop
-    except ImportError:
-        log.error("job %s: cannot ask the launcher to stop it (controlplane.launchers.tasks.stop missing)", job_id)
-        return
-    try:
-        stop.delay(job_id, None)
-    except Exception:  # noqa: BLE001 - the broker is down; the launcher's supervise pass sees a FAILED job
-        log.exception("job %s: could not enqueue the launcher stop", job_id)
+def request_stop(job_id: int, *, reason: str) -> None:
+    """Ask the launcher to end the job's processes: a stop command row (its outbox, carried out even if the
+    nudge is lost) written in the caller's transaction, and a nudge once it commits."""
+    cmd = Command.objects.create(job_id=job_id, kind=CommandKind.STOP, via_trainer=False,
+                                 detail=reason[:2000])
+    launcher_port.request("stop", job_id=job_id, command_id=cmd.pk)
 
 
 __all__ = ["ACTIVE_STATUSES", "WatchdogResult", "mark_overdue", "mark_stalled", "request_stop", "run_watchdog",

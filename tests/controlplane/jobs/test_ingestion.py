@@ -215,6 +215,16 @@ def test_it_keeps_one_training_sample_per_interval():
     record(job, heartbeats=[hb(0, 6, at=t + 0.1, loss=2.4)])  # within the interval: not kept
     s = TrainingSample.objects.get(job=job)
     assert (s.rank, s.step, s.loss) == (0, 5, 2.5)
-    ingestion._last_sample[job.pk] -= ingestion.SAMPLE_INTERVAL_S
-    record(job, heartbeats=[hb(0, 7, at=t + 0.2, loss=2.3)])
+    record(job, heartbeats=[hb(0, 7, at=t + 2.5, loss=2.3)])
     assert list(TrainingSample.objects.filter(job=job).values_list("step", flat=True)) == [5, 7]
+
+
+def test_the_training_sample_is_per_job_not_per_web_process():
+    from controlplane.jobs.models import TrainingSample
+
+    job, _ = make_job()
+    t = time.time()
+    record(job, heartbeats=[hb(0, 5, at=t, loss=2.5)])
+    ingestion._last_sample.clear()  # another web process: it has sampled nothing itself
+    record(job, heartbeats=[hb(0, 6, at=t + 0.5, loss=2.4)])
+    assert list(TrainingSample.objects.filter(job=job).values_list("step", flat=True)) == [5]

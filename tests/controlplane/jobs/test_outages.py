@@ -103,12 +103,12 @@ def test_a_dependency_outage_is_one_warning_when_it_starts_and_one_when_it_ends(
 def test_metrics_count_outages_and_say_what_is_degraded(client):
     outages.dependency_failed("broker", "Connection refused")
     text = client.get("/metrics", REMOTE_ADDR="127.0.0.1").content.decode()
-    assert 'unbroken_control_plane_outages_total{component="broker"} 1' in text
-    assert 'unbroken_control_plane_degraded{component="broker"} 1' in text
+    assert 'unbroken_control_plane_outages_total{component="broker"} 1.0' in text
+    assert 'unbroken_control_plane_degraded{component="broker"} 1.0' in text
     outages.dependency_ok("broker")
     text = client.get("/metrics", REMOTE_ADDR="127.0.0.1").content.decode()
-    assert 'unbroken_control_plane_degraded{component="broker"} 0' in text
-    assert 'unbroken_control_plane_outages_total{component="broker"} 1' in text
+    assert 'unbroken_control_plane_degraded{component="broker"} 0.0' in text
+    assert 'unbroken_control_plane_outages_total{component="broker"} 1.0' in text
 
 
 def test_the_dashboard_shows_a_banner_while_degraded(admin_client):

@@ -92,8 +92,8 @@ def test_it_restarts_a_killed_worker_while_the_web_keeps_answering(tmp_path):
         assert _alive(int(after["worker"]["pid"])) and not _alive(worker_pid)
         status, text = _get(f"{base}/metrics")
         assert status == 200
-        assert 'unbroken_process_restarts_total{process="worker"} 1' in text
-        assert 'unbroken_process_up{process="worker"} 1' in text
+        assert 'unbroken_process_restarts_total{process="worker"} 1.0' in text
+        assert 'unbroken_process_up{process="worker"} 1.0' in text
         pids = [int(c["pid"]) for c in after.values()]
         serve.send_signal(signal.SIGTERM)
         out, _ = serve.communicate(timeout=30)
