@@ -235,6 +235,7 @@ class Context:
         if self._control is None:
             raise RuntimeError("unbroken: call ctx.init_process_group() before ctx.step(...)")
         rank = dist.get_rank()
+        s.last_step = step  # completed: a fault from here on (a drill, a NaN) is at this step
         for d in impl.drills.due(step, rank=rank):
             if d.fault == DrillFault.NAN_LOSS:
                 s.record_fault(FaultClass.NAN_LOSS, f"drill {d.key}")
@@ -267,7 +268,8 @@ class Context:
         if decision.stop:
             self._stop = True
         elif decision.kind == CommandKind.RESTART:
-            s.record_fault("command", f"restart command {decision.command_id}", kind="command")
+            s.record_fault("command", f"restart command {decision.command_id}", kind="command",
+                           command_id=decision.command_id)
             if decision.level == Layer.IN_PROCESS:
                 raise RestartRequested(f"restart command {decision.command_id} (in_process)")
             s.reporter.heartbeat(step=step, phase=Phase.RESTARTING)

@@ -225,9 +225,12 @@ class LauncherHooks:
         agent_cls._stop_workers = _stop_workers
         agent_cls._restart_workers = _restart_workers
 
-    def mark(self, cycle: str | None, mark: CycleMark, *, at: float | None = None) -> None:
+    def mark(self, cycle: str | None, mark: CycleMark, *, at: float | None = None, step: int | None = None,
+             command_id: int | None = None) -> None:
         if cycle:
-            self.reporter.event(EventKind.CYCLE, {"cycle": cycle, "layer": Layer.IN_JOB, "mark": mark},
+            data = {"cycle": cycle, "layer": Layer.IN_JOB, "mark": mark, "step": step,
+                    "command_id": command_id}
+            self.reporter.event(EventKind.CYCLE, {k: v for k, v in data.items() if v is not None},
                                 at=at, rank=None)
 
     def on_failure(self, agent: Any, wg: Any, result: Any) -> None:
@@ -256,6 +259,9 @@ class LauncherHooks:
             "remaining_restarts": remaining}, rank=None)
         if facts.get("kind") == "command" and will_restart:
             self.restarting_cycle = cycle_key(attempt=self.attempt, restart_count=round_ + 1)
+            if facts.get("at"):
+                self.mark(self.restarting_cycle, CycleMark.FAULT, at=float(facts["at"]),
+                          step=facts.get("step"), command_id=facts.get("command_id"))
             self.mark(self.restarting_cycle, CycleMark.DETECTED, at=detected_at)
             return
         first = min(failures) if failures else None
@@ -267,11 +273,12 @@ class LauncherHooks:
             "fault": fault, "cycle": cycle, "detected_by": "launcher", "rank": rank,
             "interruption": f"exit {failures[first]['exitcode']}" + (f" {sig}" if sig else "") if first is not None
             else result.state.name,
-            "message": _with_traceback(facts.get("message") or desc, facts.get("traceback"))}, rank=rank)
+            "message": _with_traceback(facts.get("message") or desc, facts.get("traceback")),
+            **({"step": facts["step"]} if facts.get("step") is not None else {})}, rank=rank)
         if cycle:
             self.restarting_cycle = cycle
             if facts.get("at"):
-                self.mark(cycle, CycleMark.FAULT, at=float(facts["at"]))
+                self.mark(cycle, CycleMark.FAULT, at=float(facts["at"]), step=facts.get("step"))
             self.mark(cycle, CycleMark.DETECTED, at=detected_at)
 
 

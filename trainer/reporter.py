@@ -116,6 +116,10 @@ class HttpReporter:
         self._seq_lock = threading.Lock()
         self._q: collections.deque[tuple[str, dict[str, Any]]] = collections.deque()
         self._spool = Spool(os.path.join(spool_dir, source.replace(":", "")))
+        # Opt-in journal of every event this process hands to its sender (``make bench-chaos`` compares
+        # it with what the control plane stored): one JSON line per event, written by the sender thread.
+        journal_dir = os.environ.get("UNBROKEN_REPORTER_JOURNAL_DIR", "")
+        self._journal = os.path.join(journal_dir, f"{self._id_prefix}.jsonl") if journal_dir else ""
         self._wake = threading.Event()
         self._stop = threading.Event()
         self.sent_batches = 0
@@ -176,6 +180,12 @@ class HttpReporter:
             (hbs if kind == "hb" else evs).append(item)
         if not hbs and not evs:
             return None
+        if evs and self._journal:
+            try:
+                with open(self._journal, "a", encoding="utf-8") as f:
+                    f.writelines(json.dumps(e, default=str) + "\n" for e in evs)
+            except OSError:
+                pass
         return {"v": WIRE_VERSION, "source": self.source, "heartbeats": hbs, "events": evs}
 
     def _deliver(self, batch: dict[str, Any]) -> None:

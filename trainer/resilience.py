@@ -287,8 +287,10 @@ def build_in_process_wrapper(session: Session) -> Any:
                 return state
             recs = records_of(state.iteration - 1)
             facts = take_fault(session.app_store, env.restart_count) or {}
-            if facts.get("kind") == "command":
-                return state  # an operator asked for this restart; it is not a fault
+            if facts.get("kind") == "command":  # an operator asked for this restart; it is not a fault
+                session.mark(cycle, CycleMark.FAULT, at=float(facts["at"]), step=facts.get("step"),
+                             command_id=facts.get("command_id"))
+                return state
             names = [r["interruption"] for r in recs]
             fault = facts.get("fault") or _interruption_to_fault(names)
             ranks = sorted({r["rank"] for r in recs})
@@ -297,9 +299,10 @@ def build_in_process_wrapper(session: Session) -> Any:
                 "message": facts.get("message") or ", ".join(f"rank {r['rank']}: {r['interruption']}" for r in recs),
                 "rank": facts.get("rank", ranks[0] if ranks else None),
                 "interruption": ",".join(sorted(set(names))) or None, "interruptions": recs,
+                "step": facts.get("step", session.last_step),
             }, rank=facts.get("rank", ranks[0] if ranks else None))
             if facts.get("at"):
-                session.mark(cycle, CycleMark.FAULT, at=float(facts["at"]))
+                session.mark(cycle, CycleMark.FAULT, at=float(facts["at"]), step=facts.get("step"))
             return state
 
     class Terminate(inprocess.terminate.Terminate):

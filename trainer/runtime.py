@@ -132,6 +132,9 @@ class Session:
         self.checkpointer: Any = None  # the current iteration's, for the finalize hook
         self.iteration = 0
         self.last_loss: float | None = None
+        # The rank's last completed step (the checkpoint's step right after a restore): a fault's facts
+        # carry it, so that the control plane counts steps lost from the trainer's own numbers.
+        self.last_step = 0
 
     def cycle(self, iteration: int) -> Cycle | None:
         """The restart cycle this iteration/process start closes, if any."""
@@ -145,16 +148,24 @@ class Session:
         return None
 
     def mark(self, cycle: Cycle | None, mark: CycleMark, *, step: int | None = None, at: float | None = None,
-             rank: int | None = None) -> None:
+             rank: int | None = None, command_id: int | None = None) -> None:
+        if mark == CycleMark.CHECKPOINT_LOADED and step is not None:
+            self.last_step = step
         if cycle is None:
             return
         data: dict[str, Any] = {"cycle": cycle.key, "layer": cycle.layer, "mark": mark}
         if step is not None:
             data["step"] = step
+        if command_id is not None:
+            data["command_id"] = command_id
         self.reporter.event(EventKind.CYCLE, data, at=at, **({} if rank is None else {"rank": rank}))
 
-    def record_fault(self, fault: FaultClass | str, message: str, *, kind: str = "fault") -> None:
-        """Leave the facts only the faulty rank knows (class, time) for whoever reports the cycle."""
+    def record_fault(self, fault: FaultClass | str, message: str, *, kind: str = "fault",
+                     command_id: int | None = None) -> None:
+        """Leave the facts only the faulty rank knows (class, time, its last completed step; for a
+        restart command, the command) for whoever reports the cycle."""
         rec = {"fault": str(fault), "rank": RankEnv.rank(), "at": time.time(), "iteration": self.iteration,
-               "message": message[:500], "kind": kind}
+               "message": message[:500], "kind": kind, "step": self.last_step}
+        if command_id is not None:
+            rec["command_id"] = command_id
         record_fault_facts(self.app_store, self.env.restart_count, rec)

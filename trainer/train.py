@@ -106,6 +106,7 @@ def run_iteration(session: Session, scope: Any) -> float | None:
         ft.heartbeat()
         dt = time.perf_counter() - t0
         reporter.heartbeat(step=step, phase=Phase.TRAIN, loss=loss_v, step_time_s=dt, tokens_per_s=tokens / dt)
+        session.last_step = step
         if step == start + 1:
             session.mark(cycle, CycleMark.FIRST_STEP, step=step)
         if cfg.log_every and step % cfg.log_every == 0 and rank == 0:
@@ -124,7 +125,8 @@ def run_iteration(session: Session, scope: Any) -> float | None:
                 reporter.heartbeat(step=step, phase=Phase.CHECKPOINT_SAVE)
             checkpointer.save(state, step)
         if decision.kind == CommandKind.RESTART:
-            session.record_fault("command", f"restart command {decision.command_id}", kind="command")
+            session.record_fault("command", f"restart command {decision.command_id}", kind="command",
+                                 command_id=decision.command_id)
             if decision.level == Layer.IN_PROCESS:
                 raise RestartRequested(f"restart command {decision.command_id} (in_process)")
             reporter.heartbeat(step=step, phase=Phase.RESTARTING)

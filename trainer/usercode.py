@@ -231,14 +231,16 @@ class UserRun:
     # -- facts ------------------------------------------------------------------------------------------
 
     def record_fault(self, fault: FaultClass | str, message: str, *, traceback_text: str = "",
-                     fatal: bool = False) -> None:
+                     fatal: bool = False, kind: str = "fault", command_id: int | None = None) -> None:
         rec = {"fault": str(fault), "rank": RankEnv.rank(), "at": time.time(), "iteration": 0,
-               "message": message[:500], "kind": "fault", "traceback": traceback_text, "fatal": fatal}
+               "message": message[:500], "kind": kind, "traceback": traceback_text, "fatal": fatal,
+               "step": self.step_no, **({"command_id": command_id} if command_id is not None else {})}
         self._facts = rec
         if self.app_store is not None:
             record_fault_facts(self.app_store, self.env.restart_count, rec)
-        else:  # no launcher to report it: say it ourselves
+        elif kind == "fault":  # no launcher to report it: say it ourselves
             self.reporter.event(EventKind.FAULT, {"fault": str(fault), "detected_by": "trainer",
+                                                  "step": self.step_no,
                                                   "message": (message + "\n" + traceback_text)[:4000]})
 
     def _integration(self) -> None:
@@ -362,7 +364,7 @@ class UserRun:
         if kind == CommandKind.RESTART and cmd.get("level") == Layer.IN_JOB and self.env.in_job:
             if acks:
                 self.reporter.event(*ack_event(cid, True, "accepted"))
-            self.record_fault("command", f"restart command {cid}")
+            self.record_fault("command", f"restart command {cid}", kind="command", command_id=cid)
             self.reporter.heartbeat(step=self.step_no, phase=Phase.RESTARTING)
             self.reporter.close(timeout_s=5.0)
             os._exit(EXIT_RESTART_IN_JOB)  # ft_launcher restarts the group

@@ -436,7 +436,8 @@ _DURATION = DataField("number", maximum=MAX_DURATION_S)
 # What the control plane reads from each kind's ``data`` (other keys are stored as they are).
 EVENT_DATA: dict[str, dict[str, DataField]] = {
     EventKind.CYCLE: {"cycle": DataField("string", required=True, max_len=64), "mark": _choice(CycleMark, True),
-                      "layer": _choice(Layer), "step": _STEP},
+                      "layer": _choice(Layer), "step": _STEP,
+                      "command_id": DataField("integer", maximum=MAX_COMMAND_ID)},
     EventKind.FAULT: {"fault": _choice(FaultClass, True), "cycle": DataField("string", max_len=64),
                       "detected_by": DataField("string", max_len=40),
                       "message": DataField("string", max_len=MAX_STRING_LEN),

@@ -14,6 +14,7 @@ import os
 from datetime import timedelta
 from pathlib import Path
 
+from django.conf import settings
 from django.core.cache import cache
 from django.db.models import Count, DurationField, ExpressionWrapper, F, Min, Q, Sum, Value
 from prometheus_client import CollectorRegistry, generate_latest
@@ -23,7 +24,9 @@ from django.utils import timezone
 from django.views.decorators.http import require_GET
 
 from controlplane.jobs.goodput import PARTS
-from controlplane.jobs.models import Checkpoint, Fault, Job, QuarantinedHeartbeat, Rank, RestartCycle
+from controlplane.jobs import outages
+from controlplane.jobs.models import Checkpoint, Fault, Job, Outage, QuarantinedHeartbeat, Rank, RestartCycle
+from controlplane.supervisor import read_state
 from trainer.wire import CheckpointState
 
 BLOCKING_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -195,9 +198,42 @@ class JobCollector:
         yield stalled
 
 
+class ControlPlaneCollector:
+    """The control plane itself: ``manage.py serve``'s children (when it runs them) and its outages
+    (dependencies unreachable, ingest or the watchdog stopped: ``jobs.outages``)."""
+
+    def __init__(self, now):
+        self.now = now
+
+    def collect(self):
+        state = read_state(settings.DATA_DIR)
+        if state is not None:
+            restarts = CounterMetricFamily("unbroken_process_restarts", "Times manage.py serve restarted a "
+                                           "control-plane process after it exited.", labels=["process"])
+            up = GaugeMetricFamily("unbroken_process_up", "1 while the supervised control-plane process runs.",
+                                   labels=["process"])
+            for name, c in sorted(state["children"].items()):
+                restarts.add_metric([name], c["restarts"])
+                up.add_metric([name], int(c["alive"]))
+            yield restarts
+            yield up
+        counts = outages.outage_counts()
+        open_ = {o["component"] for o in outages.open_outages(self.now)}
+        total = CounterMetricFamily("unbroken_control_plane_outages", "Outages of the control plane's own "
+                                    "parts and dependencies, by component.", labels=["component"])
+        degraded = GaugeMetricFamily("unbroken_control_plane_degraded", "1 while a component is in an open "
+                                     "outage.", labels=["component"])
+        for c in Outage.Component:
+            total.add_metric([c.value], counts.get(c.value, 0))
+            degraded.add_metric([c.value], int(c.value in open_))
+        yield total
+        yield degraded
+
+
 def render_metrics(now) -> bytes:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(JobCollector(now))
+    registry.register(ControlPlaneCollector(now))
     return generate_latest(registry)
 
 

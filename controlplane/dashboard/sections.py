@@ -16,8 +16,9 @@ from django.db.models import Count, Max, Q
 
 from controlplane.dashboard import charts
 from controlplane.dashboard.timeline_figure import timeline_figure
+from controlplane.dashboard.outage_band import add_outage_bands
 from controlplane.dashboard.timeline import job_spans, rank_spans, ts
-from controlplane.jobs import figures, health
+from controlplane.jobs import figures, health, outages
 from controlplane.jobs.goodput import PARTS, Epoch
 from controlplane.jobs.heartbeats import Timeouts
 from controlplane.jobs.models import (
@@ -26,6 +27,7 @@ from controlplane.jobs.models import (
     Command,
     Fault,
     Job,
+    Outage,
     QuarantinedHeartbeat,
     Rank,
     RestartCycle,
@@ -68,6 +70,7 @@ def job_signatures(job: Job, now: datetime) -> dict[str, str]:
         lo=Count("checkpoint_loaded_at"),
         f=Count("first_step_at"),
         rs=Count("resumed_from_step"),
+        sf=Count("step_at_fault"),
     )
     flt = Fault.objects.filter(job=job).aggregate(n=Count("id"), m=Max("id"))
     ck = Checkpoint.objects.filter(job=job).aggregate(
@@ -83,6 +86,7 @@ def job_signatures(job: Job, now: datetime) -> dict[str, str]:
         n=Count("id"), m=Max("id"), done=Count("acked_at"), dl=Count("delivered_at")
     )
     aud = AuditEntry.objects.filter(job=job).aggregate(m=Max("id"))
+    band = Outage.objects.filter(component__in=Outage.GRACE).aggregate(n=Count("id"), e=Count("ended_at"))
     qua = QuarantinedHeartbeat.objects.filter(job=job).aggregate(n=Count("id"), at=Max("at"))
     status = (
         job.status,
@@ -99,7 +103,7 @@ def job_signatures(job: Job, now: datetime) -> dict[str, str]:
     return {
         "header": _sig(status, job.last_step, tick),
         "actions": _sig(job.is_active),
-        "timeline": _sig(status, cyc_s, flt_s, ck_s, rank_health, tuple(cmd.values())),
+        "timeline": _sig(status, cyc_s, flt_s, ck_s, rank_health, tuple(cmd.values()), tuple(band.values())),
         "checkpoints": _sig(ck_s),
         "faults": _sig(flt_s, cyc_s),
         "goodput": _sig(status, cyc_s, ck_s, job.last_step, tick),
@@ -309,6 +313,7 @@ def timeline_part(
         t1=t1,
         now=now.timestamp(),
     )
+    add_outage_bands(fig["figure"], outages.windows_between(lo, hi), now)
     fig["follow"] = bool(follow and is_open)
     fig["start_ms"] = charts.ms(job_start)
     fig["active"] = is_open

@@ -32,8 +32,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
-from django.db.models import FloatField, Func
+from django.db.models import FloatField, Func, Max
 
+from controlplane.jobs.lost import cycle_steps_lost
 from trainer.wire import CheckpointMode, CheckpointState
 
 PARTS = ("productive", "checkpoint_blocking", "recovery", "lost_work", "startup", "idle")
@@ -137,24 +138,29 @@ def compute_goodput(job, now: datetime) -> dict[str, float]:
 def goodput_facts(job, now: datetime) -> GoodputFacts:
     """The job's goodput facts from its rows: cycles, saves, progress and (for each rollback) the first
     training sample past the fault's step."""
-    from controlplane.jobs.models import steps_lost
-
     start = (job.started_at or job.created_at).timestamp()
     end = (job.finished_at or now).timestamp()
     progress = job.last_progress_at.timestamp() if job.last_progress_at else None
     cycles = []
-    for fault_at, detected_at, aborted_at, restarted_at, first_at, step_at_fault, resumed_from in \
-            job.cycles.values_list(Epoch("fault_at"), Epoch("detected_at"), Epoch("aborted_at"),
-                                   Epoch("restarted_at"), Epoch("first_step_at"), "step_at_fault",
-                                   "resumed_from_step"):
+    for fault_at, detected_at, aborted_at, restarted_at, first_at, *steps in job.cycles.values_list(
+            Epoch("fault_at"), Epoch("detected_at"), Epoch("aborted_at"), Epoch("restarted_at"),
+            Epoch("first_step_at"), "step_at_fault", "resumed_from_step", "step_at_fault_estimate"):
         began = next((t for t in (fault_at, detected_at, aborted_at, restarted_at) if t is not None), None)
         if began is None:
             continue
-        lost = steps_lost(step_at_fault, resumed_from)
+        step_at_fault, resumed_from, estimate = steps
+        at_fault = step_at_fault if step_at_fault is not None else estimate
+        durable = None
+        if resumed_from is None and at_fault is not None:
+            # still recovering: it resumes from the newest durable checkpoint at or before the fault
+            durable = job.checkpoints.filter(state=CheckpointState.DURABLE, step__lte=at_fault).aggregate(
+                m=Max("step"))["m"] or 0
+        lost = cycle_steps_lost(step_at_fault=step_at_fault, step_at_fault_estimate=estimate,
+                                resumed_from_step=resumed_from, durable_step=durable)
         reached = None
         if first_at is not None and lost:
             bounds = [progress] if progress is not None and progress > first_at else []
-            sample = (job.samples.filter(at__gt=_utc(first_at), step__gte=step_at_fault).order_by("at")
+            sample = (job.samples.filter(at__gt=_utc(first_at), step__gte=at_fault).order_by("at")
                       .values_list(Epoch("at"), flat=True).first())
             if sample is not None:
                 bounds.append(sample)

@@ -29,7 +29,7 @@ from django.db import connection, transaction
 from django.db.models import Q
 
 from controlplane.jobs import heartbeats as hb_store
-from controlplane.jobs import notifications
+from controlplane.jobs import notifications, outages
 from controlplane.jobs.models import (
     Checkpoint,
     Command,
@@ -42,7 +42,7 @@ from controlplane.jobs.models import (
     RestartCycle,
     TrainingSample,
 )
-from controlplane.jobs.services import set_status
+from controlplane.jobs.services import freshest_step, set_status
 from trainer.wire import (
     DEFAULT_MAX_AGE_S,
     MAX_CLOCK_SKEW_S,
@@ -200,8 +200,10 @@ def _record(job: Job, beats: list[dict], events: list[Any], source: str, *, now:
     if beats and not store.in_transaction:
         try:
             store.record(job.pk, beats, timeouts, now=now)
+            outages.dependency_ok(outages.Component.REDIS)
         except Exception as e:  # noqa: BLE001 - any store failure: keep the facts in the database instead
-            log.warning("heartbeat store failed (%s); writing job %s's heartbeats to the database", e, job.pk)
+            outages.dependency_failed(outages.Component.REDIS,
+                                      f"heartbeat store: {e}; ingest writes heartbeats to the database")
             try:
                 with transaction.atomic():
                     hb_store.DbHeartbeatStore().record(job.pk, beats, timeouts, now=now)
@@ -310,8 +312,10 @@ def _apply_cycles(job: Job, cycle_events: list[Any], fault_events: list[Any],
     marks: dict[str, dict[str, datetime]] = {}
     layers: dict[str, str] = {}
     resumed: dict[str, int] = {}
+    first_steps: dict[str, int] = {}
     at_fault: dict[str, int] = {}
     reasons: dict[str, str] = {}
+    commands: dict[str, int] = {}
     for e in cycle_events:
         key, mark, at = e.data["cycle"], e.data["mark"], hb_store.utc(e.at)
         m = marks.setdefault(key, {})
@@ -319,12 +323,16 @@ def _apply_cycles(job: Job, cycle_events: list[Any], fault_events: list[Any],
             m[mark] = at
         if e.data.get("layer"):
             layers.setdefault(key, e.data["layer"])
+        if e.data.get("command_id") is not None:
+            commands.setdefault(key, e.data["command_id"])
         step = e.data.get("step")
         if step is not None:
             if mark in (CycleMark.CHECKPOINT_LOADED, CycleMark.RESTARTED):
                 resumed[key] = step if mark == CycleMark.CHECKPOINT_LOADED else resumed.get(key, step)
             elif mark == CycleMark.FAULT:
                 at_fault.setdefault(key, step)
+            elif mark == CycleMark.FIRST_STEP:
+                first_steps[key] = step
     for e in fault_events:  # a fault names its cycle: the cycle exists and started no later than it
         key = e.data.get("cycle")
         if not key:
@@ -336,8 +344,10 @@ def _apply_cycles(job: Job, cycle_events: list[Any], fault_events: list[Any],
     if not marks:
         return {}
     keys = sorted(marks)  # one lock order for concurrent writers
+    estimate = freshest_step(job) if any(k not in at_fault for k in keys) else None
     RestartCycle.objects.bulk_create(
-        [RestartCycle(job=job, key=k, layer=layers.get(k, Layer.NONE), step_at_fault=at_fault.get(k, job.last_step))
+        [RestartCycle(job=job, key=k, layer=layers.get(k, Layer.NONE), step_at_fault=at_fault.get(k),
+                      step_at_fault_estimate=None if k in at_fault else estimate)
          for k in keys], ignore_conflicts=True)
     for k in keys:
         qs = RestartCycle.objects.filter(job=job, key=k)
@@ -345,8 +355,12 @@ def _apply_cycles(job: Job, cycle_events: list[Any], fault_events: list[Any],
             qs.filter(Q(**{f"{mark}__isnull": True}) | Q(**{f"{mark}__gt": at})).update(**{mark: at})
         if k in layers:
             qs.filter(layer=Layer.NONE).update(layer=layers[k])
+        if k in commands:
+            _link_command(job, qs, commands[k])
         if k in resumed:
             qs.update(resumed_from_step=resumed[k])
+        elif k in first_steps:  # Level 0/1: no checkpoint step; the first step after the restart follows it
+            qs.filter(resumed_from_step__isnull=True).update(resumed_from_step=max(0, first_steps[k] - 1))
         if k in at_fault:
             qs.filter(step_at_fault__isnull=True).update(step_at_fault=at_fault[k])
         if k in reasons:
@@ -354,6 +368,16 @@ def _apply_cycles(job: Job, cycle_events: list[Any], fault_events: list[Any],
     cycles = {c.key: c for c in RestartCycle.objects.filter(job=job, key__in=keys)}
     _cycle_status(job, cycles, now)
     return cycles
+
+
+def _link_command(job: Job, qs: Any, command_id: int) -> None:
+    """A restart an operator asked for starts when the command was issued; delivery is its own part."""
+    cmd = Command.objects.filter(job=job, pk=command_id).first()
+    if cmd is None:
+        return
+    qs.filter(command__isnull=True).update(command=cmd, delivered_at=cmd.delivered_at)
+    qs.filter(Q(fault_at__isnull=True) | Q(fault_at__gt=cmd.issued_at)).update(fault_at=cmd.issued_at)
+    qs.filter(reason="").update(reason=f"restart command {cmd.pk} ({cmd.level or 'job'})"[:200])
 
 
 def _cycle_status(job: Job, touched: dict[str, RestartCycle], now: datetime) -> None:
@@ -417,14 +441,21 @@ def _apply_faults(job: Job, fault_events: list[Any], cycles: dict[str, RestartCy
 
 
 def _apply_checkpoint(job: Job, e: Any) -> None:
-    """in_flight -> durable | failed | abandoned, never back; the earliest start wins."""
+    """in_flight -> durable | failed | abandoned, never back; the earliest start wins.
+
+    A save of a step again after an attempt ended (abandoned by a restart, or failed) is a new attempt
+    with its own row, so the ledger keeps both and the step shows durable once the second one is. A
+    trainer that names its attempts (``attempt_key``) says so itself; without one, an ``in_flight`` event
+    that began after every row of the step had ended opens a new attempt keyed by its event id."""
     d = e.data
     at = hb_store.utc(e.at)
     state = d["state"]
-    key = {"job": job, "step": d["step"], "attempt_key": d.get("attempt_key") or ""}
     started = at
     if state != CheckpointState.IN_FLIGHT and d.get("write_s") is not None:
         started = hb_store.utc(e.at - float(d["write_s"]))
+    attempt_key = d.get("attempt_key") or _unnamed_attempt(job, d["step"], e.id, started,
+                                                           opens=state == CheckpointState.IN_FLIGHT)
+    key = {"job": job, "step": d["step"], "attempt_key": attempt_key}
     Checkpoint.objects.bulk_create([Checkpoint(**key, mode=d.get("mode") or CheckpointMode.ASYNC,
                                                state=CheckpointState.IN_FLIGHT, started_at=started)],
                                    ignore_conflicts=True)
@@ -438,6 +469,23 @@ def _apply_checkpoint(job: Job, e: Any) -> None:
         if d.get("mode"):
             fields["mode"] = d["mode"]
         qs.filter(state=CheckpointState.IN_FLIGHT).update(**fields)
+
+
+def _unnamed_attempt(job: Job, step: int, event_id: str, started: datetime, *, opens: bool) -> str:
+    """The attempt an event without ``attempt_key`` belongs to: the step's open row if there is one;
+    a new attempt for a save that ``opens`` after the step's last attempt ended; else the newest row
+    (a late state of an attempt that ended changes nothing)."""
+    rows = list(Checkpoint.objects.filter(job=job, step=step).order_by("-started_at", "-id")
+                .values_list("attempt_key", "state", "finished_at"))
+    if not rows:
+        return ""
+    for key, state, _ in rows:
+        if state == CheckpointState.IN_FLIGHT:
+            return key
+    ended = max((f for _, _, f in rows if f is not None), default=None)
+    if opens and ended is not None and started >= ended:
+        return f"event:{event_id}"[:64]
+    return rows[0][0]
 
 
 # --- commands down ---------------------------------------------------------------------------------------

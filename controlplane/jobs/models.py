@@ -16,6 +16,7 @@ from django.conf import settings
 from django.db import models
 from django.utils import timezone
 
+from controlplane.jobs.lost import cycle_steps_lost
 from controlplane.jobs.spec import JobSpec
 from trainer.wire import CheckpointState, CommandKind, FaultClass, Layer, Phase
 
@@ -216,7 +217,15 @@ class Event(models.Model):
 
 
 class RestartCycle(models.Model):
-    """One recovery: from the fault to the first completed step after it, handled by one layer."""
+    """One recovery: from the fault to the first completed step after it, handled by one layer.
+
+    ``step_at_fault`` and ``resumed_from_step`` are the trainer's own numbers: the last step the rank
+    completed before the fault (fault facts and the ``fault_at`` mark carry it) and the checkpoint step
+    it loaded (the ``checkpoint_loaded_at`` mark; at Level 0/1, the first step after the restart minus
+    one). An older trainer that sends no step gets the control plane's freshest step instead (see
+    ``ingestion._apply_cycles``). A restart an operator asked for starts at the command's issue time
+    (``fault_at``) and spends ``fault_at`` → ``delivered_at`` waiting for the trainer to fetch it.
+    """
 
     job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="cycles")
     key = models.CharField(max_length=64)
@@ -230,6 +239,12 @@ class RestartCycle(models.Model):
     first_step_at = models.DateTimeField(null=True, blank=True)
     resumed_from_step = models.IntegerField(null=True, blank=True)
     step_at_fault = models.IntegerField(null=True, blank=True)
+    # An older trainer's fault carries no step: the control plane's freshest step when the cycle opened
+    # stands in (read only while ``step_at_fault`` is unknown, so a late fact still wins).
+    step_at_fault_estimate = models.IntegerField(null=True, blank=True)
+    command = models.ForeignKey("Command", null=True, blank=True, on_delete=models.SET_NULL,
+                                related_name="cycles")
+    delivered_at = models.DateTimeField(null=True, blank=True)  # a command's: when the trainer fetched it
     # Set when this layer gave up and a later cycle (by key) recovered instead: e.g. an in-process
     # restart that a SIGKILL cut short, finished by ft_launcher. Its first_step_at is then its last mark.
     escalated_to = models.CharField(max_length=64, blank=True)
@@ -266,24 +281,28 @@ class RestartCycle(models.Model):
 
     @property
     def lost_steps(self) -> int | None:
-        return steps_lost(self.step_at_fault, self.resumed_from_step)
+        """Steps recomputed because of this cycle (every view and goodput's lost work read this)."""
+        return self.steps_lost()
+
+    def steps_lost(self, *, durable_step: int | None = None) -> int | None:
+        """``lost.cycle_steps_lost`` of this cycle's facts."""
+        return cycle_steps_lost(step_at_fault=self.step_at_fault,
+                                step_at_fault_estimate=self.step_at_fault_estimate,
+                                resumed_from_step=self.resumed_from_step, durable_step=durable_step)
 
     def durations(self) -> dict[str, float | None]:
-        """Seconds spent in each phase of the cycle: detect, abort, restart, reload, first step."""
+        """Seconds spent in each phase of the cycle: (for a command: deliver), detect, abort, restart,
+        reload, first step."""
         marks = [self.fault_at, self.detected_at, self.aborted_at, self.restarted_at,
                  self.checkpoint_loaded_at, self.first_step_at]
         names = ["detect", "abort", "restart", "reload", "first_step"]
+        if self.delivered_at is not None:
+            marks.insert(1, self.delivered_at)
+            names.insert(0, "deliver")
         out: dict[str, float | None] = {}
         for name, a, b in zip(names, marks, marks[1:], strict=False):
             out[name] = max(0.0, (b - a).total_seconds()) if a and b else None
         return out
-
-
-def steps_lost(step_at_fault: int | None, resumed_from_step: int | None) -> int | None:
-    """Steps a recovery threw away: the one definition (cycles, faults, goodput and the API read it)."""
-    if step_at_fault is not None and resumed_from_step is not None:
-        return max(0, step_at_fault - resumed_from_step)
-    return None
 
 
 class Fault(models.Model):
@@ -431,3 +450,43 @@ class QuarantinedHeartbeat(models.Model):
 
     def __str__(self) -> str:
         return f"job {self.job_id} rank {self.rank}: {self.reason}"
+
+
+class Outage(models.Model):
+    """A time the control plane itself was impaired: a fact kept for the deadlines, the job pages, the
+    banner and ``/metrics``. ``ingest`` (the web processes stopped ticking) and ``watchdog`` (it did
+    not run) are outage grace: that time never counts against a rank's heartbeat deadline. ``redis``,
+    ``database`` and ``broker`` are dependencies being unreachable (shown and counted). At most one
+    open row (``ended_at`` null) per component."""
+
+    class Component(models.TextChoices):
+        INGEST = "ingest"
+        WATCHDOG = "watchdog"
+        REDIS = "redis"
+        DATABASE = "database"
+        BROKER = "broker"
+
+    GRACE = (Component.INGEST, Component.WATCHDOG)
+
+    component = models.CharField(max_length=20, choices=Component.choices)
+    started_at = models.DateTimeField()
+    ended_at = models.DateTimeField(null=True, blank=True)
+    detail = models.CharField(max_length=500, blank=True)
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["component"], name="one_open_outage_per_component",
+                                               condition=models.Q(ended_at__isnull=True))]
+        indexes = [models.Index(fields=["ended_at"]), models.Index(fields=["started_at"])]
+        ordering = ["-started_at", "-id"]
+
+    def __str__(self) -> str:
+        return f"{self.component} {self.started_at:%H:%M:%S}–{self.ended_at:%H:%M:%S}" if self.ended_at else (
+            f"{self.component} since {self.started_at:%H:%M:%S}")
+
+
+class Beacon(models.Model):
+    """When a control-plane process last showed it works: ``watchdog`` (its last pass) and ``ingest``
+    (the web processes' ticker). A beacon that falls behind is an outage (``jobs.outages``)."""
+
+    name = models.CharField(max_length=20, primary_key=True)
+    at = models.DateTimeField()

@@ -12,6 +12,7 @@ from django.contrib.auth.models import AbstractBaseUser
 from django.db import transaction
 from django.utils import timezone
 
+from controlplane.jobs import heartbeats as hb_store
 from controlplane.jobs import launcher_port
 from controlplane.jobs.models import (
     AuditEntry,
@@ -135,6 +136,23 @@ def stop_job(*, job: Job, requested_by, remote_addr: str | None = None,
     return cmd
 
 
+def freshest_step(job: Job) -> int:
+    """An older trainer's fault without a step: the freshest step the control plane knows. The
+    database store's rows are current; with Redis, its progress hash is fresh to the last batch (the
+    job's rows lag a flush), but holds the highest step reached, so right after a rollback, until the
+    job passes it again, this reads high. The trainer's own step has neither error."""
+    step = job.last_step
+    store = hb_store.get_store()
+    if isinstance(store, hb_store.RedisHeartbeatStore):
+        try:
+            top, _ = store.progress(job.pk)
+        except Exception:  # noqa: BLE001 - Redis away: the row's step is the best left
+            top = None
+        if top is not None:
+            step = max(step, top[0])
+    return step
+
+
 def begin_job_restart(*, job: Job, reason: str, fault_at=None) -> RestartCycle:
     """Open the restart cycle of a job-level restart (new processes or pods) before stopping the old ones."""
     now = timezone.now()
@@ -142,7 +160,7 @@ def begin_job_restart(*, job: Job, reason: str, fault_at=None) -> RestartCycle:
     cycle, _ = RestartCycle.objects.get_or_create(
         job=job, key=key,
         defaults={"layer": Layer.JOB, "reason": reason[:200], "fault_at": fault_at or now, "detected_at": now,
-                  "step_at_fault": job.last_step},
+                  "step_at_fault_estimate": freshest_step(job)},
     )
     set_status(job, JobStatus.RECOVERING, reason)
     return cycle

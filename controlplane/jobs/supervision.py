@@ -17,7 +17,7 @@ from django.db.models.functions import Coalesce
 from django.utils import timezone
 
 from controlplane.jobs import heartbeats as hb_store
-from controlplane.jobs import health, launcher_port, notifications
+from controlplane.jobs import health, launcher_port, notifications, outages
 from controlplane.jobs.models import (
     ACTIVE_STATUSES,
     Command,
@@ -48,12 +48,21 @@ def run_watchdog(now: datetime | None = None, *, store: hb_store.HeartbeatStore 
     also isolates its jobs from one another)."""
     now = now or timezone.now()
     result = WatchdogResult()
+    try:  # first: a gap before this pass (or stopped ingest) is outage grace for the checks below
+        outages.note_watchdog_pass(now)
+        outages.check_ingest(now)
+    except Exception:
+        log.exception("watchdog: recording the control plane's outages failed")
     for name, check in (("lost", lambda: mark_overdue(now, store=store)), ("stalled", lambda: mark_stalled(now)),
                         ("storms", lambda: stop_storms(now))):
         try:
             setattr(result, name, check())
         except Exception:
             log.exception("watchdog: the %s check failed", name)
+    try:
+        outages.close_recovered(now, redis_ok=not outages.is_down(outages.Component.REDIS))
+    except Exception:
+        log.exception("watchdog: closing recovered outages failed")
     return result
 
 
@@ -90,11 +99,11 @@ def mark_overdue(now: datetime | None = None, *, store: hb_store.HeartbeatStore 
     store = store or hb_store.get_store()
     try:
         indexed = store.overdue(now)
+        outages.dependency_ok(outages.Component.REDIS)
     except Exception as e:  # noqa: BLE001 - a Redis outage: the database scan below still works
-        _store_state(down=True, why=str(e))
+        outages.dependency_failed(outages.Component.REDIS,
+                                  f"heartbeat store: {e}; the watchdog reads the rows")
         indexed = []
-    else:
-        _store_state(down=False)
     by_job: dict[int, set[int]] = {}
     for j, r, _ in indexed:
         by_job.setdefault(j, set()).add(r)
@@ -106,6 +115,7 @@ def mark_overdue(now: datetime | None = None, *, store: hb_store.HeartbeatStore 
     if not by_job:
         return 0
     jobs = {j.pk: j for j in Job.objects.filter(pk__in=list(by_job))}
+    windows = outages.grace_windows(now)
     settled: set[tuple[int, int]] = set()
     n = 0
     for job_id in sorted(by_job):
@@ -117,7 +127,7 @@ def mark_overdue(now: datetime | None = None, *, store: hb_store.HeartbeatStore 
                 log.warning("watchdog: could not drop heartbeat state of job %s", job_id, exc_info=True)
             continue
         try:
-            claimed, done = _mark_job_lost(job, sorted(by_job[job_id]), now, store)
+            claimed, done = _mark_job_lost(job, sorted(by_job[job_id]), now, store, windows=windows)
             n += claimed
             settled |= {(job_id, r) for r in done}
         except Exception:  # one job's failure must not stop the others' detection
@@ -131,37 +141,32 @@ def mark_overdue(now: datetime | None = None, *, store: hb_store.HeartbeatStore 
     return n
 
 
-_store_down = False  # this process's view of the heartbeat store, so an outage logs once, not every pass
-
-
-def _store_state(*, down: bool, why: str = "") -> None:
-    global _store_down
-    if down and not _store_down:
-        log.warning("watchdog: heartbeat store unavailable (%s); using the database until it is back", why)
-    elif not down and _store_down:
-        log.warning("watchdog: heartbeat store is back")
-    _store_down = down
-
-
-def _mark_job_lost(job: Job, ranks: list[int], now: datetime,
-                   store: hb_store.HeartbeatStore) -> tuple[int, set[int]]:
+def _mark_job_lost(job: Job, ranks: list[int], now: datetime, store: hb_store.HeartbeatStore, *,
+                   windows: list[tuple[float, float]] = ()) -> tuple[int, set[int]]:
     """Record a fault for, and claim, the ranks that ``health.rank_health`` finds lost (by the store's
     freshest beat: the rows are the flush's to write, never the watchdog's). Returns (faults recorded,
     ranks settled). A lost rank whose row the flush has not written yet gets its fault now (its
     ``source_key`` is rank + deadline, so it is recorded once) and stays unsettled: its index entry is
-    kept, and a later pass claims the row once the flush has written it."""
+    kept, and a later pass claims the row once the flush has written it.
+
+    Outage grace (``windows``, from ``outages.grace_windows``): a rank's deadline moves by the outage
+    time after its last heartbeat; a rank past its deadline but inside that grace is not lost yet and
+    stays unsettled (indexed), so a later pass judges it again."""
     try:
         fresh = store.freshest(job.pk, ranks)
     except Exception as e:  # noqa: BLE001 - Redis down: judge by the rows (heartbeats fall back to them)
-        log.warning("watchdog: heartbeat store unavailable for job %s (%s); using the rows", job.pk, e)
+        outages.dependency_failed(outages.Component.REDIS,
+                                  f"heartbeat store: {e}; the watchdog reads the rows")
         fresh = {}
     timeouts = hb_store.Timeouts.of(job.spec)
     rows = {r.rank: r for r in Rank.objects.filter(job=job, rank__in=ranks)}
     views = {r: health.current(rows.get(r) or Rank(job=job, rank=r), fresh.get(r), timeouts, now)
              for r in ranks}
     lost = sorted(r for r, v in views.items() if v.lost_at is None and v.health_at(now) == RankHealth.LOST)
+    graced = {r for r in lost if views[r].stale_at is not None and _in_grace(views[r], windows, now)}
+    lost = [r for r in lost if r not in graced]
     if not lost:
-        return 0, set(ranks)
+        return 0, set(ranks) - graced
     with transaction.atomic():
         # The row's own deadline must have passed too: a flush that wrote a newer beat meanwhile wins.
         claimed = set(_claim("lost_at", job.pk, lost, now, "lost_at IS NULL AND stale_at < %s"))
@@ -182,7 +187,14 @@ def _mark_job_lost(job: Job, ranks: list[int], now: datetime,
         Fault.objects.bulk_create(new, ignore_conflicts=True)
     if new:
         log.warning("job %s: %d rank(s) lost (first: %s)", job.pk, len(new), sorted(f.rank for f in new)[:5])
-    return len(new), (set(ranks) - set(lost)) | claimed
+    return len(new), ((set(ranks) - set(lost)) | claimed) - graced
+
+
+def _in_grace(r: Rank, windows: list[tuple[float, float]], now: datetime) -> bool:
+    """The rank's deadline, moved by the outage time after its last heartbeat, is still ahead."""
+    t = now.timestamp()
+    since = (r.last_heartbeat_at or r.stale_at).timestamp()
+    return r.stale_at.timestamp() + outages.grace_s(windows, since, t) >= t
 
 
 def mark_stalled(now: datetime | None = None) -> int:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from celery import shared_task
 
-from controlplane.jobs import heartbeats, notifications, supervision
+from controlplane.jobs import heartbeats, notifications, outages, supervision
 
 
 @shared_task(ignore_result=True)
@@ -18,7 +18,17 @@ def watchdog() -> None:
 
 @shared_task(ignore_result=True)
 def flush_heartbeats() -> None:
-    heartbeats.get_store().flush()
+    store = heartbeats.get_store()
+    if not isinstance(store, heartbeats.RedisHeartbeatStore):
+        return
+    import redis
+
+    try:
+        store.flush()
+    except (redis.ConnectionError, redis.TimeoutError) as e:  # one warning per outage, not a traceback per flush
+        outages.dependency_failed(outages.Component.REDIS, f"heartbeat flush: {e}; rows wait for Redis")
+        return
+    outages.dependency_ok(outages.Component.REDIS)
 
 
 @shared_task(ignore_result=True)

@@ -44,6 +44,8 @@ def test_it_recovers_and_matches_the_uninterrupted_loss(tmp_path, receiver, base
     for m in ("fault_at", "detected_at", "aborted_at", "restarted_at", "checkpoint_loaded_at", "first_step_at"):
         assert m in marks, (m, sorted(marks))
     assert marks["checkpoint_loaded_at"]["data"]["step"] == 10  # the newest durable checkpoint before step 12
+    # The step at the fault is the trainer's last completed step (12 steps done when the drill fires).
+    assert f["step"] == 12 and marks["fault_at"]["data"]["step"] == 12
     assert marks["fault_at"]["at"] <= marks["detected_at"]["at"] <= marks["first_step_at"]["at"]
     finished = receiver.events("rank_finished")
     assert sorted(e["rank"] for e in finished) == [0, 1]

@@ -1,6 +1,7 @@
 """The HTTP reporter: batches, spools while the control plane is down, replays in order exactly once,
 drops batches the server refuses for good, never blocks or raises into the caller."""
 
+import json
 import time
 
 from tests.trainer.conftest import Receiver
@@ -122,3 +123,14 @@ def test_it_uses_a_null_reporter_without_a_url(tmp_path):
     rep.heartbeat(step=1, phase="train")
     rep.event(EventKind.FAULT, {})
     rep.close()
+
+
+def test_it_journals_every_event_it_sends_when_asked(tmp_path, receiver, monkeypatch):
+    monkeypatch.setenv("UNBROKEN_REPORTER_JOURNAL_DIR", str(tmp_path))
+    rep = make(tmp_path, receiver.url)
+    for i in range(5):
+        rep.event(EventKind.FAULT, {"fault": "exception", "step": i})
+    rep.close()
+    lines = [json.loads(x) for f in tmp_path.glob("*.jsonl") for x in f.read_text().splitlines()]
+    assert [e["id"] for e in lines] == [e["id"] for e in receiver.events()]
+    assert [e["data"]["step"] for e in lines] == [0, 1, 2, 3, 4]

@@ -1,23 +1,23 @@
-"""Run the control plane: web server, Celery worker and Celery beat, until Ctrl-C.
+"""Run the control plane: web server, Celery worker and Celery beat, until Ctrl-C or SIGTERM.
 
-Each child runs in its own process group; on SIGINT/SIGTERM every group gets SIGTERM, then
-SIGKILL after a grace period, so nothing this command started outlives it. Training jobs are not
-children of this command (the local launcher detaches them): they keep running and are found
-again by the next start.
+``controlplane.supervisor`` keeps them alive: a child that dies is logged and started again with
+backoff; only SIGINT/SIGTERM stops them all (SIGTERM to each process group, SIGKILL after a grace
+period), so nothing this command started outlives it. Training jobs are not children of this command
+(the local launcher detaches them): they keep running and are found again by the next start.
 """
 
 import os
 import signal
-import subprocess
 import sys
-import time
 
 from django.conf import settings
 from django.core.management.base import BaseCommand
 
+from controlplane.supervisor import Supervisor
+
 
 class Command(BaseCommand):
-    help = "Start web + Celery worker + Celery beat; Ctrl-C stops all three."
+    help = "Start web + Celery worker + Celery beat and keep them running; Ctrl-C stops all three."
 
     def add_arguments(self, parser):
         parser.add_argument("--host", default=os.environ.get("UNBROKEN_HOST", "127.0.0.1"))
@@ -40,39 +40,9 @@ class Command(BaseCommand):
         if not os.environ.get("UNBROKEN_PUBLIC_URL"):
             reach = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
             env["UNBROKEN_PUBLIC_URL"] = f"http://{reach}:{port}"
-        procs = {name: subprocess.Popen(cmd, start_new_session=True, env=env) for name, cmd in cmds.items()}
-        stopping = False
-
-        def stop(*_):
-            nonlocal stopping
-            stopping = True
-
-        signal.signal(signal.SIGINT, stop)
-        signal.signal(signal.SIGTERM, stop)
+        sup = Supervisor(cmds, state_dir=settings.DATA_DIR, env=env)
+        signal.signal(signal.SIGINT, sup.request_stop)
+        signal.signal(signal.SIGTERM, sup.request_stop)
         self.stdout.write(self.style.SUCCESS(
             f"\nUnbroken is up: http://{host}:{port}/  (log in as the operator; Ctrl-C stops everything)\n"))
-        code = 0
-        while not stopping:
-            for name, p in procs.items():
-                if p.poll() is not None:
-                    self.stderr.write(f"{name} exited with code {p.returncode}; stopping the others")
-                    stopping, code = True, 1
-                    break
-            time.sleep(0.3)
-        for p in procs.values():
-            _signal_group(p, signal.SIGTERM)
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and any(p.poll() is None for p in procs.values()):
-            time.sleep(0.1)
-        for p in procs.values():
-            _signal_group(p, signal.SIGKILL)
-            p.wait()
-        self.stdout.write("Stopped web, worker and beat.")
-        sys.exit(code)
-
-
-def _signal_group(p, sig):
-    try:
-        os.killpg(p.pid, sig)
-    except ProcessLookupError:
-        pass
+        sys.exit(sup.run())
