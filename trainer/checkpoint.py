@@ -24,7 +24,6 @@ from typing import Any, ContextManager
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 
 from trainer.wire import CheckpointMode, CheckpointState, EventKind
@@ -69,21 +68,6 @@ def dir_bytes(path: str) -> int:
     return total
 
 
-class TrainState(Stateful):
-    """Model + optimizer + data position (the step), as DCP saves and loads them."""
-
-    def __init__(self, model: Any, optimizer: Any, step: int = 0):
-        self.model, self.optimizer, self.step = model, optimizer, step
-
-    def state_dict(self) -> dict[str, Any]:
-        msd, osd = get_state_dict(self.model, self.optimizer)
-        return {"model": msd, "optim": osd, "step": self.step}
-
-    def load_state_dict(self, sd: dict[str, Any]) -> None:
-        set_state_dict(self.model, self.optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
-        self.step = int(sd["step"])
-
-
 @dataclass(slots=True)
 class _InFlight:
     step: int
@@ -108,7 +92,7 @@ class Checkpointer:
 
     # -- load ---------------------------------------------------------------------------------------
 
-    def load(self, state: TrainState) -> int | None:
+    def load(self, state: Stateful) -> int | None:
         """Load the newest durable checkpoint into ``state``; return its step (None: fresh start).
 
         Rank 0 chooses (so every rank loads the same one even if a listing races a commit) and also
@@ -131,7 +115,7 @@ class Checkpointer:
 
     # -- save ---------------------------------------------------------------------------------------
 
-    def save(self, state: TrainState, step: int, *, mode: CheckpointMode | None = None) -> None:
+    def save(self, state: Stateful, step: int, *, mode: CheckpointMode | None = None) -> None:
         mode = mode or self.mode
         self.wait()  # at most one save in flight
         state.step = step

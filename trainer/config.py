@@ -171,7 +171,7 @@ def _read_token(env: dict[str, str]) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m trainer", description="FSDP2 trainer that survives faults.")
+    p = argparse.ArgumentParser(prog="python -m trainer.shim", description="The flags of one rank of a job.")
     a = p.add_argument
     a("--preset", default="tiny", help="model size: tiny | small | 1b")
     a("--steps", type=int, default=100)

@@ -2,8 +2,8 @@
 
 Commands arrive in ingest responses on every rank's reporter thread, re-sent until acknowledged. Rank 0
 is the one authority: its inbox dedupes by id (also across restarts, via ``commands_done.json`` in the
-run dir), and every step it broadcasts the next command (4 int64 on a small gloo group) so that all
-ranks act on it at the same step. Rank 0 acknowledges before acting, so an in-job exit cannot lose the
+run dir), and about every ``AGREE_EVERY_S`` it broadcasts the next command (5 int64 on a small gloo
+group, collected a few steps later) so that all ranks act on it at the same step. Rank 0 acknowledges before acting, so an in-job exit cannot lose the
 ack (unsent events are spooled and replayed by the next process).
 
 Drills fire once per run: a fired drill is written (fsync) to ``drills_fired_r<rank>`` before it fires,
@@ -165,7 +165,6 @@ class Control:
                  in_job: bool, ack: Callable[[int, bool, str], None]):
         self.inbox, self.pg, self.rank, self.world_size = inbox, pg, rank, world_size
         self.in_process, self.in_job, self._ack = in_process, in_job, ack
-        self._buf = torch.zeros(4, dtype=torch.int64)
         self._work: Any = None
         self._posted: torch.Tensor | None = None
         self._bufs = (torch.zeros(5, dtype=torch.int64), torch.zeros(5, dtype=torch.int64))
@@ -217,19 +216,6 @@ class Control:
             self._work.wait()
             self._work = None
 
-    def agree(self) -> Decision:
-        if self.rank == 0:
-            self._buf.zero_()
-            cmd = self.inbox.take() if self.inbox is not None else None
-            if cmd is not None:
-                vec, detail = encode(cmd, in_process=self.in_process, in_job=self.in_job,
-                                     world_size=self.world_size)
-                self._ack(int(cmd["id"]), not detail, detail or "accepted")
-                self._buf.copy_(torch.tensor(vec, dtype=torch.int64))
-        if self.world_size > 1:
-            dist.broadcast(self._buf, src=0, group=self.pg)
-        return decode(self._buf.tolist())
-
 
 class Drills:
     """Scheduled (``--drill``) and commanded fault injection."""
@@ -239,19 +225,11 @@ class Drills:
         self._drills = drills
         self._path = os.path.join(run_dir, f"drills_fired_r{initial_rank}")
         self._record_fault = record_fault
-        self._nan_armed = False
         try:
             with open(self._path, encoding="utf-8") as f:
                 self._fired = {line.strip() for line in f if line.strip()}
         except OSError:
             self._fired = set()
-
-    def before_step(self, step: int, *, rank: int, hang_pg: Any, world_size: int) -> None:
-        for d in self._drills:
-            if d.step == step and d.rank in (rank, ALL_RANKS) and d.key not in self._fired:
-                self._remember(d.key)
-                self.fire(d.fault, rank=rank, hang_pg=hang_pg, world_size=world_size,
-                          message=f"drill {d.key}")
 
     def due(self, step: int, *, rank: int) -> list[Drill]:
         """Drills for ``rank`` at or before ``step`` not fired yet, marked fired (user code reports
@@ -276,14 +254,6 @@ class Drills:
             time.sleep(1e9)  # one C call (also what a 1-rank world gets)
         if fault == DrillFault.SIGKILL:
             os.kill(os.getpid(), signal.SIGKILL)
-        if fault == DrillFault.NAN_LOSS:
-            self._nan_armed = True
-
-    def corrupt(self, loss: torch.Tensor) -> torch.Tensor:
-        if self._nan_armed:
-            self._nan_armed = False
-            return loss * float("nan")
-        return loss
 
     def _remember(self, key: str) -> None:
         self._fired.add(key)

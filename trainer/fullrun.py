@@ -1,16 +1,18 @@
 """The SDK's full level (Level 2): the user's training function is what the restart layers re-enter.
 
 ``unbroken.entrypoint`` / ``unbroken.run`` land here. Under the product (the shim started this process)
-the function runs inside the same resilience layers as the built-in model (``trainer.resilience``:
-the NVRx in-process Wrapper when the job has in-process restarts, ft_launcher heartbeats), and its
+the function runs inside the resilience layers (``trainer.resilience``: the NVRx in-process Wrapper
+when the job has in-process restarts, ft_launcher heartbeats), and its
 ``Context`` gives it, per attempt: the process group (``init_process_group``), restore and async DCP
 saves of registered state (``checkpoint``), and a per-step call (``step``) that reports, fires drills
 and agrees on commands across ranks. Outside the product the context does only what the script needs
-to run at all (create the process group) and every other call is a no-op.
+to run at all (create the process group) and every other call is a no-op. The built-in demo job is
+such a function too (``trainer/examples/synthetic.py``): there is no other training loop.
 """
 
 from __future__ import annotations
 
+import datetime
 import logging
 import math
 import os
@@ -26,7 +28,8 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from trainer.checkpoint import Checkpointer
 from trainer.control import EXIT_RESTART_IN_JOB, Control, NanLossError, RestartRequested, ack_event
-from trainer.runtime import RankEnv, Session
+from trainer.config import TrainConfig
+from trainer.runtime import RankEnv, Session, connect_store
 from trainer.usercode import UserRun
 from trainer.wire import CheckpointMode, CommandKind, CycleMark, DrillFault, EventKind, FaultClass, Layer, Phase
 
@@ -37,6 +40,33 @@ PING_EVERY_S = 0.2
 PG_BEFORE_ENTRYPOINT = (
     "unbroken: a process group exists before the entrypoint runs. Create it inside the entrypoint with "
     "ctx.init_process_group(), not before it: an in-process restart re-creates it for every attempt.")
+
+
+def pick_device(cfg: TrainConfig, env: RankEnv) -> torch.device:
+    if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise ValueError("--device cuda: no CUDA device is visible; use --device cpu")
+        torch.cuda.set_device(env.local_rank)
+        return torch.device("cuda", env.local_rank)
+    return torch.device("cpu")
+
+
+def init_distributed(session: Session, iteration: int) -> tuple[Any, Any]:
+    """Default process group on a fresh app-store prefix, plus two gloo groups of our own.
+
+    The checkpoint group keeps async DCP's collectives off FSDP's group (sharing it deadlocks); the
+    control group carries the per-step command agreement without syncing a GPU stream.
+    """
+    cfg, env = session.cfg, session.env
+    prefix = f"pg/a{cfg.attempt}/ij{env.restart_count}/ip{iteration}"
+    store = dist.PrefixStore(prefix, session.app_store)
+    backend = "nccl" if session.device.type == "cuda" else "gloo"
+    # A collective may wait at most this long; the layers' own timeouts are shorter and fire first.
+    timeout = datetime.timedelta(seconds=max(60.0, 2 * cfg.step_timeout))
+    kwargs: dict[str, Any] = {"device_id": session.device} if backend == "nccl" else {}
+    dist.init_process_group(backend, store=store, rank=RankEnv.rank(), world_size=int(os.environ["WORLD_SIZE"]),
+                            timeout=timeout, **kwargs)
+    return dist.new_group(backend="gloo", timeout=timeout), dist.new_group(backend="gloo", timeout=timeout)
 
 
 class _RankRng(Stateful):
@@ -213,8 +243,6 @@ class Context:
             if not dist.is_initialized():
                 dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo")
             return
-        from trainer.train import init_distributed
-
         self.ckpt_pg, self._ctl_pg = init_distributed(self.session, self.iteration)
         s = self.session
         rank = dist.get_rank()
@@ -304,12 +332,13 @@ def run(fn: Callable[[Context], Any], impl: UserRun | None) -> Any:
         raise RuntimeError(PG_BEFORE_ENTRYPOINT)
     if impl is None:
         return fn(Context(session=None, scope=None, impl=None))
-    from trainer.__main__ import pick_device
     from trainer.resilience import NullFt, wrap_loop
 
     impl.upgrade(level=2)
     cfg, env = impl.cfg, impl.env
-    session = Session(cfg=cfg, env=env, reporter=impl.reporter, app_store=impl.app_store,
+    # Started alone (no trainer.launch hosting the stores): rank 0 hosts the app store.
+    app_store = impl.app_store if impl.app_store is not None else connect_store(env, env.app_store_port)
+    session = Session(cfg=cfg, env=env, reporter=impl.reporter, app_store=app_store,
                       ft=impl.ft or NullFt(), inbox=impl.inbox if env.initial_rank == 0 else None,
                       device=pick_device(cfg, env))
 

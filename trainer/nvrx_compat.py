@@ -142,7 +142,7 @@ def launcher_main() -> Any:
 def launcher_main_forked(entrypoint: Any, *, preload: list[str]) -> Any:
     """ft_launcher's ``main`` (same argv, same exit codes) that starts each rank as ``entrypoint(*args)``
     in a process forked from a multiprocessing fork server which imported ``preload`` once, instead of
-    a fresh ``python -m trainer`` per rank and restart: an in-job restart then skips ~2 s of imports
+    a fresh ``python -m trainer.shim`` per rank and restart: an in-job restart then skips ~2 s of imports
     (torch, DTensor, DCP) per rank. Everything after ``-m <module>`` in argv becomes ``args``.
 
     Needs the release's torchrun-style internals (``parse_args``, ``config_from_args``,

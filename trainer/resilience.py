@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from trainer import nvrx_compat
-from trainer.runtime import RankEnv, Session, take_fault
+from trainer.runtime import Session, take_fault
 from trainer.wire import CycleMark, EventKind, FaultClass, Layer
 
 log = logging.getLogger(__name__)
@@ -147,10 +147,6 @@ class PacedFt:
             with self._lock:
                 with contextlib.suppress(Exception):
                     self._client.heartbeat()
-
-
-def make_ft(env: RankEnv, mode: str) -> Any:
-    return FtClient(mode) if env.in_job else NullFt()
 
 
 # -- in-process: NVRx Wrapper and its hooks -------------------------------------------------------------

@@ -7,7 +7,7 @@ included - never takes them down):
 - P+1: the app store (process-group rendezvous per iteration, fault facts, anything the ranks share)
 - P+2: the NVRx in-process Wrapper store
 
-Without ``trainer.launch`` (``python -m trainer`` alone) rank 0 hosts both at MASTER_PORT+1/+2.
+Without ``trainer.launch`` (``python -m trainer.shim`` alone) rank 0 hosts both at MASTER_PORT+1/+2.
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ def host_store(host: str, port: int) -> dist.TCPStore:
 
 def connect_store(env: RankEnv, port: int, timeout_s: float = 300.0) -> dist.TCPStore:
     if not env.stores_external and env.initial_rank == 0 and port == env.app_store_port:
-        return host_store("0.0.0.0", port)  # noqa: S104 - plain `python -m trainer`: rank 0 hosts
+        return host_store("0.0.0.0", port)  # noqa: S104 - a shim started alone: rank 0 hosts
     return dist.TCPStore(env.store_host, port, is_master=False, use_libuv=True,
                          timeout=datetime.timedelta(seconds=timeout_s))
 

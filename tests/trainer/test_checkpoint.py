@@ -31,10 +31,12 @@ def test_it_only_counts_committed_checkpoints_with_metadata(tmp_path):
 
 
 def train(run_dir, steps, url=None):
-    cmd = [PYTHON, "-m", "trainer", "--run-dir", str(run_dir), "--steps", str(steps), "--ckpt-interval", "5",
-           "--keep-ckpts", "2", "--no-in-process", "--log-every", "0"]
+    """The built-in example alone (a 1-rank world), under the shim as the launcher runs it."""
+    cmd = [PYTHON, "-m", "trainer.shim", "--run-dir", str(run_dir), "--ckpt-interval", "5", "--keep-ckpts", "2",
+           "--no-in-process"]
     if url:
         cmd += ["--report-url", url, "--job-id", "1", "--report-interval", "0.1"]
+    cmd += ["--", "trainer.examples.synthetic:train", "--steps", str(steps), "--log-every", "0"]
     p = subprocess.run(cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=180)
     assert p.returncode == 0, p.stdout + p.stderr
     return p.stdout + p.stderr

@@ -76,7 +76,7 @@ def test_it_builds_ft_launcher_flags_from_trainer_timeouts():
                           "--run-dir", "/tmp/x", "--job-id", "9", "--", "--ft-mode", "sections",
                           "--step-timeout", "20", "--ckpt-timeout", "50"])
     args = launcher_args(ns, c, targs)
-    assert "--max-restarts=4" in args and "-m" in args and args[args.index("-m") + 1] == "trainer"
+    assert "--max-restarts=4" in args and "-m" in args and args[args.index("-m") + 1] == "trainer.shim"
     assert "--ft-rank-section-timeouts=step:20.0,checkpoint:50.0" in args
     assert "--ft-enable-nic-monitor=false" in args
     ns, targs, c = parse(["--no-in-job", "--run-dir", "/tmp/x"])
