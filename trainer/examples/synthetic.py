@@ -160,7 +160,7 @@ def train(ctx: unbroken.Context) -> float | None:
             print(f"step {step + 1} loss {loss_v:.4f} ({(now - t0) / args.log_every:.3f} s/step)", flush=True)
             t0 = now
     if ctx.rank == 0 and loss_v is not None:
-        print(f"FINAL_LOSS {loss_v!r}", flush=True)
+        print(f"FINAL_LOSS {loss_v!r}\n", end="", flush=True)  # one write: a whole line in the job log
     return loss_v
 
 
