@@ -127,10 +127,14 @@ class CheckpointAPI:
         self._state: _AppState | None = None
         self._checkpointer: Checkpointer | None = None
         self._overlap = False  # the loop calls wait_for_staging(): staging may overlap the next step
+        #: Where ``restore`` got the state: "memory" (an in-process restart, from the newest async
+        #: save's staged copy, when every rank holds the same step), "disk", or None (a fresh start).
+        self.restored_from: str | None = None
 
     def restore(self, *, model: Any = None, optim: Any = None, **stateful: Any) -> int:
-        """Register what a checkpoint holds and load the newest durable one; return the step to resume
-        from (0 on a fresh start). ``model``/``optim``: your (FSDP2) module and optimizer; any other
+        """Register what a checkpoint holds and load the newest state; return the step to resume from
+        (0 on a fresh start). After an in-process restart the state comes from memory (the newest async
+        save's staged copy) when every rank has it, else from the newest durable checkpoint. ``model``/``optim``: your (FSDP2) module and optimizer; any other
         keyword: an object with ``state_dict()``/``load_state_dict()`` (a data loader, a scheduler).
 
             start = ctx.checkpoint.restore(model=model, optim=optimizer, sampler=sampler)
@@ -148,12 +152,13 @@ class CheckpointAPI:
         self._state = _AppState(model=model, optim=optim, extra=stateful, rank=dist.get_rank())
         self._checkpointer = Checkpointer(root=s.cfg.ckpt_dir, mode=s.cfg.ckpt_mode, keep=s.cfg.keep_ckpts,
                                           pg=ctx.ckpt_pg, report=s.reporter.event, atomic=ctx.scope.atomic,
-                                          section=s.ft.section)
+                                          section=s.ft.section, memory=s.snapshot)
         s.checkpointer = self._checkpointer
         s.reporter.heartbeat(step=0, phase=Phase.CHECKPOINT_LOAD)
         with ctx._impl.keep_alive():  # type: ignore[union-attr]
             start = self._checkpointer.load(self._state) or 0
-        s.mark(ctx.cycle, CycleMark.CHECKPOINT_LOADED, step=start)
+        self.restored_from = self._checkpointer.restored_from
+        s.mark(ctx.cycle, CycleMark.CHECKPOINT_LOADED, step=start, restored_from=self.restored_from)
         ctx.resumed_from = start
         return start
 

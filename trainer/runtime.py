@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from trainer.checkpoint import MemorySnapshot
 from trainer.config import TrainConfig
 from trainer.ports import free_port_block
 from trainer.reporter import Reporter
@@ -130,6 +131,7 @@ class Session:
         self.cfg, self.env, self.reporter, self.app_store = cfg, env, reporter, app_store
         self.ft, self.inbox, self.device = ft, inbox, device
         self.checkpointer: Any = None  # the current iteration's, for the finalize hook
+        self.snapshot = MemorySnapshot()  # the newest staged state, for in-process restarts
         self.iteration = 0
         self.last_loss: float | None = None
 
@@ -145,12 +147,14 @@ class Session:
         return None
 
     def mark(self, cycle: Cycle | None, mark: CycleMark, *, step: int | None = None, at: float | None = None,
-             rank: int | None = None) -> None:
+             rank: int | None = None, restored_from: str | None = None) -> None:
         if cycle is None:
             return
         data: dict[str, Any] = {"cycle": cycle.key, "layer": cycle.layer, "mark": mark}
         if step is not None:
             data["step"] = step
+        if restored_from is not None:
+            data["restored_from"] = restored_from
         self.reporter.event(EventKind.CYCLE, data, at=at, **({} if rank is None else {"rank": rank}))
 
     def record_fault(self, fault: FaultClass | str, message: str, *, kind: str = "fault") -> None:

@@ -297,6 +297,7 @@ def _apply_cycles(job: Job, cycle_events: list[Any], fault_events: list[Any],
     resumed: dict[str, int] = {}
     at_fault: dict[str, int] = {}
     reasons: dict[str, str] = {}
+    restored: dict[str, str] = {}
     for e in cycle_events:
         key, mark, at = e.data["cycle"], e.data["mark"], hb_store.utc(e.at)
         m = marks.setdefault(key, {})
@@ -310,6 +311,8 @@ def _apply_cycles(job: Job, cycle_events: list[Any], fault_events: list[Any],
                 resumed[key] = step if mark == CycleMark.CHECKPOINT_LOADED else resumed.get(key, step)
             elif mark == CycleMark.FAULT:
                 at_fault.setdefault(key, step)
+        if mark == CycleMark.CHECKPOINT_LOADED and e.data.get("restored_from"):
+            restored[key] = e.data["restored_from"]
     for e in fault_events:  # a fault names its cycle: the cycle exists and started no later than it
         key = e.data.get("cycle")
         if not key:
@@ -332,6 +335,8 @@ def _apply_cycles(job: Job, cycle_events: list[Any], fault_events: list[Any],
             qs.filter(layer=Layer.NONE).update(layer=layers[k])
         if k in resumed:
             qs.update(resumed_from_step=resumed[k])
+        if k in restored:
+            qs.update(restored_from=restored[k])
         if k in at_fault:
             qs.filter(step_at_fault__isnull=True).update(step_at_fault=at_fault[k])
         if k in reasons:

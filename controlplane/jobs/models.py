@@ -223,6 +223,8 @@ class RestartCycle(models.Model):
     first_step_at = models.DateTimeField(null=True, blank=True)
     resumed_from_step = models.IntegerField(null=True, blank=True)
     step_at_fault = models.IntegerField(null=True, blank=True)
+    # Where the restart's state came from (wire.RestoredFrom: memory | disk); "" = not reported.
+    restored_from = models.CharField(max_length=8, blank=True)
     # Set when this layer gave up and a later cycle (by key) recovered instead: e.g. an in-process
     # restart that a SIGKILL cut short, finished by ft_launcher. Its first_step_at is then its last mark.
     escalated_to = models.CharField(max_length=64, blank=True)
