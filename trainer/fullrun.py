@@ -267,6 +267,8 @@ class Context:
         assert impl is not None
         if self._control is None:
             raise RuntimeError("unbroken: call ctx.init_process_group() before ctx.step(...)")
+        if self.checkpoint._checkpointer is not None:  # commit a finished save before anything can fail
+            self.checkpoint._checkpointer.poll()
         rank = dist.get_rank()
         for d in impl.drills.due(step, rank=rank):
             if d.fault == DrillFault.NAN_LOSS:
@@ -292,8 +294,6 @@ class Context:
         if self._first:
             self._first = False
             s.mark(self.cycle, CycleMark.FIRST_STEP, step=step)
-        if self.checkpoint._checkpointer is not None:
-            self.checkpoint._checkpointer.poll()
         decision = self._control.agree_overlapped(step, dt)
         if decision.kind is None:
             return
