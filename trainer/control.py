@@ -73,6 +73,7 @@ class CommandInbox:
                 self._done: set[int] = set(json.load(f))
         except (OSError, ValueError):
             self._done = set()
+        self._acked: set[int] = set()
 
     def offer(self, commands: list[dict[str, Any]]) -> None:
         with self._lock:
@@ -91,6 +92,14 @@ class CommandInbox:
         """The oldest pending command, left pending."""
         with self._lock:
             return self._pending[min(self._pending)] if self._pending else None
+
+    def first_ack(self, cid: int) -> bool:
+        """True the first time in this process: a command re-posted after an in-process restart (its
+        round was never collected) is acknowledged once."""
+        with self._lock:
+            first = cid not in self._acked
+            self._acked.add(cid)
+            return first
 
     def done(self, cid: int) -> None:
         """Never offer ``cid`` again, in this process or the next one of this rank."""
@@ -176,7 +185,9 @@ class Control:
         """``agree`` for the SDK's loop, off the step's critical path. A round is posted at step P and
         collected (and acted on, by every rank) at step P + k, so a rank waits only when a peer is more
         than k steps behind. k is fixed per attempt by rank 0 in the first round: about
-        ``AGREE_EVERY_S`` of steps (a command waits at most about twice that)."""
+        ``AGREE_EVERY_S`` of steps (a command waits at most about twice that). Rank 0 marks a command
+        done when its round is collected, so one posted in a round that a fault cut short is posted
+        again by the next attempt."""
         decision = NOTHING
         if step < self._due:
             return decision
@@ -187,15 +198,20 @@ class Control:
             decision = decode(vec[:4])
             if self._every is None:
                 self._every = int(vec[4])
+            self._collected(decision)
         buf = self._bufs[self._round % 2]
         self._round += 1
         buf.zero_()
         if self.rank == 0:
-            cmd = self.inbox.take() if self.inbox is not None else None
+            cmd = self.inbox.peek() if self.inbox is not None else None
             if cmd is not None:
+                cid = int(cmd["id"])
                 vec, detail = encode(cmd, in_process=self.in_process, in_job=self.in_job,
                                      world_size=self.world_size)
-                self._ack(int(cmd["id"]), not detail, detail or "accepted")
+                if self.inbox.first_ack(cid):
+                    self._ack(cid, not detail, detail or "accepted")
+                if detail:
+                    self.inbox.done(cid)  # refused: nothing to act on
                 buf[:4] = torch.tensor(vec, dtype=torch.int64)
             buf[4] = 1 if not step_time_s else max(1, min(50, int(AGREE_EVERY_S / step_time_s)))
         if self.world_size > 1:
@@ -207,8 +223,13 @@ class Control:
                 self._every = int(buf[4])
             if decision is NOTHING:
                 decision = decode(buf.tolist()[:4])
+                self._collected(decision)
             self._due = step + self._every
         return decision
+
+    def _collected(self, decision: Decision) -> None:
+        if self.rank == 0 and decision.command_id and self.inbox is not None:
+            self.inbox.done(decision.command_id)
 
     def drain(self) -> None:
         """Collect an outstanding overlapped broadcast (before the group goes away)."""
