@@ -23,7 +23,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from trainer.checkpoint import MemorySnapshot
 from trainer.config import TrainConfig
 from trainer.ports import free_port_block
 from trainer.reporter import Reporter
@@ -130,6 +129,8 @@ class Session:
                  inbox: Any, device: torch.device):
         self.cfg, self.env, self.reporter, self.app_store = cfg, env, reporter, app_store
         self.ft, self.inbox, self.device = ft, inbox, device
+        from trainer.checkpoint import MemorySnapshot  # DCP: only in ranks, never in the launcher
+
         self.checkpointer: Any = None  # the current iteration's, for the finalize hook
         self.snapshot = MemorySnapshot()  # the newest staged state, for in-process restarts
         self.iteration = 0
