@@ -165,12 +165,11 @@ class Checkpointer:
 
     def __init__(self, *, root: str, mode: CheckpointMode, keep: int, pg: Any, report: Callable[..., None],
                  atomic: Callable[[], ContextManager[Any]] = contextlib.nullcontext,
-                 section: Callable[[str], ContextManager[Any]] = lambda name: contextlib.nullcontext(),
                  memory: MemorySnapshot | None = None):
         self.root, self.mode, self.keep, self.pg, self.memory = root, mode, keep, pg, memory
         self.restored_from: RestoredFrom | None = None  # where the last load came from
         self.rank = dist.get_rank(pg)
-        self._report, self._atomic, self._section = report, atomic, section
+        self._report, self._atomic = report, atomic
         self._in_flight: _InFlight | None = None
         self._stager: Any = None
         os.makedirs(root, exist_ok=True)
@@ -207,8 +206,7 @@ class Checkpointer:
             return state.step
         if durable is None:
             return None
-        with self._section("checkpoint"):
-            dcp.load({"app": state}, checkpoint_id=step_dir(self.root, durable), process_group=self.pg)
+        dcp.load({"app": state}, checkpoint_id=step_dir(self.root, durable), process_group=self.pg)
         self.restored_from = RestoredFrom.DISK
         return state.step
 
@@ -220,15 +218,14 @@ class Checkpointer:
         state.step = step
         path = step_dir(self.root, step)
         t0 = time.perf_counter()
-        with self._section("checkpoint"):
-            if mode == CheckpointMode.SYNC:
-                dcp.save({"app": state}, checkpoint_id=path, process_group=self.pg)
-                blocking = time.perf_counter() - t0
-                self._commit(step, mode, blocking_s=blocking, write_s=blocking)
-                return
-            stager = self._get_stager()
-            stager.step = step
-            resp = dcp.async_save({"app": state}, checkpoint_id=path, process_group=self.pg, async_stager=stager)
+        if mode == CheckpointMode.SYNC:
+            dcp.save({"app": state}, checkpoint_id=path, process_group=self.pg)
+            blocking = time.perf_counter() - t0
+            self._commit(step, mode, blocking_s=blocking, write_s=blocking)
+            return
+        stager = self._get_stager()
+        stager.step = step
+        resp = dcp.async_save({"app": state}, checkpoint_id=path, process_group=self.pg, async_stager=stager)
         blocking = time.perf_counter() - t0
         self._in_flight = _InFlight(step=step, response=resp, started_at=t0, blocking_s=blocking,
                                     staged=not hasattr(resp, "staging_completion"))

@@ -3,8 +3,9 @@
 Commands arrive in ingest responses on every rank's reporter thread, re-sent until acknowledged. Rank 0
 is the one authority: its inbox dedupes by id (also across restarts, via ``commands_done.json`` in the
 run dir), and about every ``AGREE_EVERY_S`` it broadcasts the next command (5 int64 on a small gloo
-group, collected a few steps later) so that all ranks act on it at the same step. Rank 0 acknowledges before acting, so an in-job exit cannot lose the
-ack (unsent events are spooled and replayed by the next process).
+group, collected a few steps later) so that all ranks act on it at the same step. Rank 0 acknowledges
+before acting, so an in-job exit cannot lose the ack (unsent events are spooled and replayed by the
+next process).
 
 Drills fire once per run: a fired drill is written (fsync) to ``drills_fired_r<rank>`` before it fires,
 so a restart that resumes from an earlier checkpoint does not fire it again.

@@ -134,8 +134,9 @@ class CheckpointAPI:
     def restore(self, *, model: Any = None, optim: Any = None, **stateful: Any) -> int:
         """Register what a checkpoint holds and load the newest state; return the step to resume from
         (0 on a fresh start). After an in-process restart the state comes from memory (the newest async
-        save's staged copy) when every rank has it, else from the newest durable checkpoint. ``model``/``optim``: your (FSDP2) module and optimizer; any other
-        keyword: an object with ``state_dict()``/``load_state_dict()`` (a data loader, a scheduler).
+        save's staged copy) when every rank has it, else from the newest durable checkpoint.
+        ``model``/``optim``: your (FSDP2) module and optimizer; any other keyword: an object with
+        ``state_dict()``/``load_state_dict()`` (a data loader, a scheduler).
 
             start = ctx.checkpoint.restore(model=model, optim=optimizer, sampler=sampler)
         """
@@ -152,7 +153,7 @@ class CheckpointAPI:
         self._state = _AppState(model=model, optim=optim, extra=stateful, rank=dist.get_rank())
         self._checkpointer = Checkpointer(root=s.cfg.ckpt_dir, mode=s.cfg.ckpt_mode, keep=s.cfg.keep_ckpts,
                                           pg=ctx.ckpt_pg, report=s.reporter.event, atomic=ctx.scope.atomic,
-                                          section=s.ft.section, memory=s.snapshot)
+                                          memory=s.snapshot)
         s.checkpointer = self._checkpointer
         s.reporter.heartbeat(step=0, phase=Phase.CHECKPOINT_LOAD)
         with ctx._impl.keep_alive():  # type: ignore[union-attr]

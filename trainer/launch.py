@@ -19,7 +19,7 @@ What it does, in order:
    rank is a single point of failure. Other nodes connect to HOST:PORT+1/+2. The rendezvous itself
    stays on PORT (hosted by the node-0 agent). Ranks also use ephemeral gloo ports and MASTER_PORT.
 3. Runs NVRx ``ft_launcher`` in this process with hooks on its agent (--in-job: group restarts up to
-   K times, heartbeat or section timeouts derived from the trainer's), or ``torch.distributed.run``
+   K times, heartbeat timeouts derived from the trainer's), or ``torch.distributed.run``
    with --max-restarts 0 (--no-in-job). Launcher facts (failed rank, exit code/signal, restart
    count, restart duration) go to the control plane as events with source "launcher".
 4. SIGTERM/SIGINT stop the workers (torchelastic's handlers) and whatever is left of this process's
@@ -114,7 +114,7 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str], TrainConfig]:
     cfg.check_layers(in_job=ns.in_job, world_size=ns.nnodes * ns.nproc_per_node)
     if ns.workdir is not None and not os.path.isdir(ns.workdir):
         raise ValueError(f"--workdir {ns.workdir}: no such directory")
-    nvrx_compat.check_supported(in_process=cfg.in_process, in_job=ns.in_job, ft_mode=cfg.ft_mode)
+    nvrx_compat.check_supported(in_process=cfg.in_process, in_job=ns.in_job)
     if ns.entrypoint is None:
         ns.entrypoint, ns.user_args = BUILTIN_ENTRYPOINT, builtin_args(cfg)
     return ns, trainer_args, cfg
@@ -163,11 +163,6 @@ def launcher_args(ns: argparse.Namespace, cfg: TrainConfig, trainer_args: list[s
         "enable_nic_monitor": "false",  # needs NVML; logs tracebacks on CPU hosts
         "restart_policy": "any-failed",
     }
-    if cfg.ft_mode == "sections":
-        # Heartbeats still flow once per step; the sections carry the tight limits.
-        ft["rank_heartbeat_timeout"] = str(cfg.step_timeout + cfg.ckpt_timeout)
-        ft["rank_section_timeouts"] = f"step:{cfg.step_timeout},checkpoint:{cfg.ckpt_timeout}"
-        ft["rank_out_of_section_timeout"] = str(cfg.startup_timeout)
     out = [*common, f"--max-restarts={ns.max_restarts}"]
     for name, value in ft.items():
         flag = nvrx_compat.launcher_flag(name)

@@ -410,7 +410,7 @@ class UserRun:
             from trainer.resilience import FtClient, PacedFt
 
             try:
-                self.ft = PacedFt(FtClient("heartbeats"))
+                self.ft = PacedFt(FtClient())
                 self.ft.start()
             except Exception:
                 log.warning("ft_launcher heartbeats unavailable", exc_info=True)

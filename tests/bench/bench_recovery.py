@@ -15,9 +15,10 @@ to a local sink.
 
     python tests/bench/bench_recovery.py [--n 5]
 
-Last two lines (2, then 1):
-    in_process_s=<X> in_job_s=<Y> job_s=<Z> hang_s=<W>  (medians, fixed offsets)
-    in_process_p50_s=<A> in_process_p95_s=<B> in_job_p50_s=<C> in_job_p95_s=<D> job_s=<E> hang_s=<F> memory_restore_share=<G>
+Last two lines (2, then 1; medians, p50 and p95 of recovery seconds):
+    in_process_s=<X> in_job_s=<Y> job_s=<Z> hang_s=<W>
+    in_process_p50_s=<A> in_process_p95_s=<B> in_job_p50_s=<C> in_job_p95_s=<D> job_s=<E> hang_s=<F> \
+memory_restore_share=<G>
 """
 
 from __future__ import annotations
