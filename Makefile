@@ -8,7 +8,12 @@ export UNBROKEN_DATA_DIR ?= $(DATA)
 export UNBROKEN_SECRET_KEY_FILE ?= $(DATA)/secret_key
 export PYTHONPATH := $(CURDIR)
 
-.PHONY: up install test test-fast bench-ingest bench-recovery bench-checkpoint bench-dashboard bench-sdk k8s-e2e clean
+# The second NVRx release the trainer is tested with (the first, 0.4.1, is in requirements.lock).
+NVRX_NEXT := 0.6.0
+NVRX_NEXT_SITE := $(CURDIR)/.nvrx/$(NVRX_NEXT)/site
+NVRX_WHEEL_TAGS := --only-binary=:all: --platform manylinux_2_39_x86_64 --python-version 3.11 --implementation cp
+
+.PHONY: up install nvrx-next test test-nvrx-next test-fast bench-ingest bench-recovery bench-checkpoint bench-dashboard bench-sdk k8s-e2e clean
 
 $(VENV)/.installed: requirements.lock trainer/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -21,6 +26,20 @@ $(VENV)/.installed: requirements.lock trainer/pyproject.toml
 
 install: $(VENV)/.installed
 
+# NVRx $(NVRX_NEXT) in its own site directory, ahead of .venv on PYTHONPATH when used (see
+# requirements-nvrx-0.6.lock). Its cp311 wheel is tagged manylinux_2_39 for one compiled CUPTI module the
+# layers never import, so pip is told the platform; the layers are pure Python and run here.
+$(NVRX_NEXT_SITE)/.installed: requirements-nvrx-0.6.lock $(VENV)/.installed
+	rm -rf $(dir $(NVRX_NEXT_SITE)) && mkdir -p $(NVRX_NEXT_SITE)
+	$(VENV)/bin/pip download -q --no-deps $(NVRX_WHEEL_TAGS) -d $(dir $(NVRX_NEXT_SITE))wheel \
+		nvidia-resiliency-ext==$(NVRX_NEXT)
+	$(VENV)/bin/pip install -q --no-deps $(NVRX_WHEEL_TAGS) --target $(NVRX_NEXT_SITE) \
+		$(dir $(NVRX_NEXT_SITE))wheel/nvidia_resiliency_ext-$(NVRX_NEXT)-*.whl
+	$(VENV)/bin/pip install -q --no-deps --target $(NVRX_NEXT_SITE) -r requirements-nvrx-0.6.lock
+	touch $@
+
+nvrx-next: $(NVRX_NEXT_SITE)/.installed
+
 $(DATA)/secret_key:
 	mkdir -p $(DATA)
 	umask 077; $(PYTHON) -c 'import secrets; print(secrets.token_urlsafe(50))' > $@
@@ -31,8 +50,14 @@ up: install $(DATA)/secret_key
 	$(PY) manage.py ensure_operator
 	$(PY) manage.py serve
 
-test: install $(DATA)/secret_key
+test: install nvrx-next $(DATA)/secret_key
 	$(PY) -m pytest
+	$(MAKE) --no-print-directory test-nvrx-next
+
+# The trainer's NVRx tests (marked nvrx) again, with NVRx $(NVRX_NEXT) ahead of the .venv's 0.4.1.
+test-nvrx-next: install nvrx-next $(DATA)/secret_key
+	PYTHONPATH=$(NVRX_NEXT_SITE):$(CURDIR) $(PY) -m pytest -m nvrx -p no:cacheprovider \
+		|| { echo "FAILED: the trainer's NVRx tests with nvidia-resiliency-ext $(NVRX_NEXT)"; exit 1; }
 
 test-fast: install $(DATA)/secret_key
 	$(PY) -m pytest -m "not slow"
@@ -40,8 +65,9 @@ test-fast: install $(DATA)/secret_key
 bench-ingest: install $(DATA)/secret_key
 	$(PY) tests/bench/bench_ingest.py
 
-bench-recovery: install $(DATA)/secret_key
-	$(PY) tests/bench/bench_recovery.py
+# NVRX=$(NVRX_NEXT) runs it with that release (its site directory ahead of .venv's 0.4.1).
+bench-recovery: install $(DATA)/secret_key $(if $(NVRX),nvrx-next)
+	$(if $(NVRX),PYTHONPATH=$(NVRX_NEXT_SITE):$(CURDIR)) $(PY) tests/bench/bench_recovery.py
 
 bench-checkpoint: install $(DATA)/secret_key
 	$(PY) tests/bench/bench_checkpoint.py

@@ -18,9 +18,9 @@ def env_bool(name: str, default: bool) -> bool:
     raw = os.environ.get(name)
     if raw is None or raw == "":
         return default
-    if raw.lower() in ("true", "1", "yes"):
+    if raw.lower() == "true":
         return True
-    if raw.lower() in ("false", "0", "no"):
+    if raw.lower() == "false":
         return False
     raise ImproperlyConfigured(f"{name}={raw!r}: use true or false")
 
@@ -160,6 +160,8 @@ WATCHDOG_INTERVAL_S = env_float("UNBROKEN_WATCHDOG_INTERVAL_S", 0.5)
 HEARTBEAT_FLUSH_INTERVAL_S = env_float("UNBROKEN_HEARTBEAT_FLUSH_INTERVAL_S", 5.0)
 CELERY_BEAT_SCHEDULE = {
     "watchdog": {"task": "controlplane.jobs.tasks.watchdog", "schedule": WATCHDOG_INTERVAL_S},
+    "flush-heartbeats": {"task": "controlplane.jobs.tasks.flush_heartbeats",
+                         "schedule": HEARTBEAT_FLUSH_INTERVAL_S},
     "send-notifications": {"task": "controlplane.jobs.tasks.send_notifications", "schedule": 5.0},
     "supervise-launchers": {"task": "controlplane.launchers.tasks.supervise", "schedule": 2.0},
 }

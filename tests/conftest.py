@@ -11,6 +11,20 @@ from celery.contrib.testing.worker import start_worker
 from controlplane.celery import app as celery_app
 
 
+def pytest_report_header(config):
+    """Which NVRx the trainer runs with in this session (make test runs the nvrx tests with each)."""
+    from trainer import nvrx_compat
+
+    return f"nvidia-resiliency-ext: {nvrx_compat.version_str()} (tested: {', '.join(nvrx_compat.SUPPORTED)})"
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    if exitstatus not in (0, 5):
+        from trainer import nvrx_compat
+
+        terminalreporter.write_line(f"(these tests ran with nvidia-resiliency-ext {nvrx_compat.version_str()})")
+
+
 @pytest.fixture()
 def celery_worker_thread():
     """A real Celery worker consuming the default and launch queues in a thread of this process."""

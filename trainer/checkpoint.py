@@ -36,6 +36,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
+from trainer.nvrx_compat import ITERATION_FILE
 from trainer.wire import CheckpointMode, CheckpointState, EventKind, RestoredFrom
 
 log = logging.getLogger(__name__)
@@ -68,6 +69,15 @@ def list_checkpoints(root: str) -> list[tuple[int, str, bool]]:
 def latest_durable(root: str) -> int | None:
     steps = [s for s, _, durable in list_checkpoints(root) if durable]
     return steps[-1] if steps else None
+
+
+def write_iteration_file(root: str, step: int) -> None:
+    """The newest durable step as text, replaced atomically: ft_launcher (NVRx 0.6+) reads it to tell a
+    restart cycle that made progress from one that did not (``--max-no-progress-restarts``)."""
+    tmp = os.path.join(root, f".{ITERATION_FILE}.tmp")
+    with open(tmp, "w") as f:
+        f.write(f"{step}\n")
+    os.replace(tmp, os.path.join(root, ITERATION_FILE))
 
 
 def dir_bytes(path: str) -> int:
@@ -303,6 +313,7 @@ class Checkpointer:
                 f.write(f"{time.time()}\n")
                 f.flush()
                 os.fsync(f.fileno())
+        write_iteration_file(self.root, step)
         self._emit(step=step, mode=mode, state=CheckpointState.DURABLE, blocking_s=round(blocking_s, 6),
                    write_s=round(write_s, 6), bytes=dir_bytes(path))
         self._gc()

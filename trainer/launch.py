@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import platform
 import signal
 import sys
 import time
@@ -63,6 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--rdzv-endpoint", default="127.0.0.1:29400", help="HOST:PORT; PORT+1 and PORT+2 are also used")
     a("--max-restarts", type=int, default=3, help="in-job group restarts (ft_launcher)")
     a("--in-job", action=argparse.BooleanOptionalAction, default=True, help="NVRx ft_launcher in-job restarts")
+    a("--max-no-progress-restarts", type=int, default=0,
+      help="NVRx 0.6+: stop restarting after this many in-job restarts in a row that saved no newer "
+           "checkpoint (0: off)")
     a("--run-dir", default=None)
     a("--job-id", default=None)
     a("--attempt", type=int, default=None)
@@ -102,6 +106,8 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str], TrainConfig]:
         raise ValueError("--node-rank must be in 0..nnodes-1")
     if ns.max_restarts < 0:
         raise ValueError("--max-restarts must be >= 0")
+    if ns.max_no_progress_restarts < 0:
+        raise ValueError("--max-no-progress-restarts must be >= 0")
     host, _, port_s = ns.rdzv_endpoint.rpartition(":")
     if not host or not port_s.isdigit() or not 0 < int(port_s) < 65534:
         raise ValueError(f"--rdzv-endpoint {ns.rdzv_endpoint!r}: expected HOST:PORT with PORT < 65534")
@@ -114,7 +120,8 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str], TrainConfig]:
     cfg.check_layers(in_job=ns.in_job, world_size=ns.nnodes * ns.nproc_per_node)
     if ns.workdir is not None and not os.path.isdir(ns.workdir):
         raise ValueError(f"--workdir {ns.workdir}: no such directory")
-    nvrx_compat.check_supported(in_process=cfg.in_process, in_job=ns.in_job)
+    nvrx_compat.check_supported(in_process=cfg.in_process, in_job=ns.in_job,
+                                max_no_progress_restarts=ns.max_no_progress_restarts)
     if ns.entrypoint is None:
         ns.entrypoint, ns.user_args = BUILTIN_ENTRYPOINT, builtin_args(cfg)
     return ns, trainer_args, cfg
@@ -162,6 +169,10 @@ def launcher_args(ns: argparse.Namespace, cfg: TrainConfig, trainer_args: list[s
         "rank_heartbeat_timeout": str(cfg.step_timeout),
         "enable_nic_monitor": "false",  # needs NVML; logs tracebacks on CPU hosts
         "restart_policy": "any-failed",
+        # NVRx 0.6+ (skipped before): progress is the newest durable step, which our checkpointer writes to
+        # the iteration file; 0 turns the check off (its default, 2, would warn that no file is given).
+        "max_no_progress_cycles": str(ns.max_no_progress_restarts),
+        "checkpoint_iteration_file": os.path.join(cfg.ckpt_dir, nvrx_compat.ITERATION_FILE),
     }
     out = [*common, f"--max-restarts={ns.max_restarts}"]
     for name, value in ft.items():
@@ -336,6 +347,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
 
     from trainer.runtime import connect_store  # noqa: F401  (import torch only after validation)
+    import torch
     import torch.distributed as dist
 
     stores: list[Any] = []
@@ -381,7 +393,9 @@ def main(argv: list[str] | None = None) -> int:
         "message": f"starting {name} on node {ns.node_rank}/{ns.nnodes}, {ns.nproc_per_node} ranks per node, "
                    f"max restarts {ns.max_restarts if ns.in_job else 0}, attempt {cfg.attempt}",
         "node_rank": ns.node_rank, "nnodes": ns.nnodes, "nproc_per_node": ns.nproc_per_node,
-        "in_job": ns.in_job, "in_process": cfg.in_process, "max_restarts": ns.max_restarts if ns.in_job else 0},
+        "in_job": ns.in_job, "in_process": cfg.in_process, "max_restarts": ns.max_restarts if ns.in_job else 0,
+        "attempt": cfg.attempt, "nvrx": nvrx_compat.version_str(), "torch": torch.__version__,
+        "python": platform.python_version()},
         rank=None)
     rc = 1
     t0 = time.monotonic()

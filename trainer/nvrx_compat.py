@@ -1,10 +1,14 @@
 """The one seam between this project and the installed nvidia-resiliency-ext (NVRx) release.
 
-Tested against 0.4.1. Newer releases rename launcher flags (``--ft-param-*`` -> ``--ft-*``), add or drop
-Wrapper arguments, and may move or remove the in-process package; everything that depends on those
-details goes through here:
+Tested against 0.4.1 and 0.6.0 (``SUPPORTED``; `make test` runs the trainer's NVRx tests against each, in
+its own environment). Newer releases rename launcher flags (``--ft-param-*`` -> ``--ft-*``), deprecate
+some (``--ft-restart-policy`` in 0.6), add or drop Wrapper arguments, add features (0.6: stop restarting
+when restarts make no progress), and may move or remove the in-process package; everything that depends
+on those details goes through here:
 
-- ``version()``: the installed release as a tuple.
+- ``version()``: the installed release as a tuple; ``parse_version(text)`` for a declared one.
+- ``spec_problems(version, ...)``: a job's NVRx options checked against a release, by field (the control
+  plane checks a job before it starts with it; ``check_supported`` checks the installed release).
 - ``wrapper_kwargs(**kw)``: Wrapper arguments filtered to what this release's constructor accepts
   (a required one missing raises, naming the setting).
 - ``launcher_flag(name)``: the spelling of an ft_launcher flag this release understands.
@@ -24,6 +28,20 @@ import re
 from typing import Any
 
 MIN_VERSION = (0, 4, 1)
+SUPPORTED = ("0.4.1", "0.6.0")  # each tested in CI in its own environment (README: "NVRx versions")
+
+# Job options that exist only from some release on: option -> (first release, what it is in NVRx).
+ONLY_FROM: dict[str, tuple[tuple[int, int, int], str]] = {
+    "max_no_progress_restarts": ((0, 6, 0), "ft_launcher's --ft-max-no-progress-cycles"),
+}
+# Launcher settings a release deprecates: not passed from that release on (its default is our value).
+_DEPRECATED_FROM: dict[str, tuple[int, int, int]] = {
+    "restart_policy": (0, 6, 0),  # only any-failed is left, and it is the default
+}
+# The file (in the checkpoint directory) holding the newest durable step, which ft_launcher 0.6+ reads
+# to decide whether a restart cycle made progress.
+ITERATION_FILE = "latest_checkpointed_iteration.txt"
+_VERSION = re.compile(r"^v?(\d+)\.(\d+)(?:\.(\d+))?(?:[.+-]?[0-9A-Za-z.]*)?$")
 
 # Settings our resilience layer cannot do without; everything else is optional.
 _REQUIRED_WRAPPER_ARGS = ("store_kwargs", "initialize", "abort", "finalize", "soft_timeout", "hard_timeout")
@@ -46,6 +64,35 @@ def version_str() -> str:
     return ".".join(map(str, version())) or "not installed"
 
 
+def parse_version(text: str) -> tuple[int, int, int] | None:
+    m = _VERSION.match(text.strip())
+    if not m:
+        return None
+    return int(m.group(1)), int(m.group(2)), int(m.group(3) or 0)
+
+
+def spec_problems(nvrx_version: str, *, max_no_progress_restarts: int = 0) -> dict[str, str]:
+    """Why a job's NVRx options will not work with release ``nvrx_version``, by option; empty when they
+    will. An empty version is not checked (nobody said which release the trainer has)."""
+    if not nvrx_version:
+        return {}
+    v = parse_version(nvrx_version)
+    if v is None:
+        return {"nvrx_version": f"{nvrx_version!r} is not a version like 0.4.1: write the version of "
+                                "nvidia-resiliency-ext installed where the trainer runs"}
+    if v < MIN_VERSION:
+        return {"nvrx_version": f"the trainer needs NVRx {'.'.join(map(str, MIN_VERSION))} or later "
+                                f"(ft_launcher heartbeats, inprocess.Wrapper); this job's NVRx is {nvrx_version}"}
+    problems = {}
+    options = {"max_no_progress_restarts": max_no_progress_restarts}
+    for name, (first, what) in ONLY_FROM.items():
+        if options[name] and v < first:
+            problems[name] = (f"needs NVRx {'.'.join(map(str, first))} or later ({what}); this job's NVRx is "
+                              f"{nvrx_version}: set it to 0, or run a trainer with NVRx "
+                              f"{'.'.join(map(str, first))}+")
+    return problems
+
+
 @functools.cache
 def has_inprocess() -> bool:
     try:
@@ -65,7 +112,7 @@ def has_fault_tolerance() -> bool:
     return True
 
 
-def check_supported(*, in_process: bool, in_job: bool) -> None:
+def check_supported(*, in_process: bool, in_job: bool, max_no_progress_restarts: int = 0) -> None:
     v = version()
     if not v:
         if in_process or in_job:
@@ -80,6 +127,9 @@ def check_supported(*, in_process: bool, in_job: bool) -> None:
                               "(inprocess.Wrapper); pass --no-in-process")
     if in_job and not has_fault_tolerance():
         raise UnsupportedNvrx(f"nvidia-resiliency-ext {version_str()} has no ft_launcher; pass --no-in-job")
+    problems = spec_problems(version_str(), max_no_progress_restarts=max_no_progress_restarts)
+    for name, problem in problems.items():
+        raise UnsupportedNvrx(f"--{name.replace('_', '-')}: {problem}")
 
 
 def wrapper_kwargs(**kw: Any) -> dict[str, Any]:
@@ -109,11 +159,16 @@ _LAUNCHER_FLAGS: dict[str, tuple[str, ...]] = {
     "enable_nic_monitor": ("--ft-enable-nic-monitor", "--ft-param-enable-nic-monitor"),
     "restart_policy": ("--ft-restart-policy", "--restart-policy"),
     "log_level": ("--ft-log-level", "--ft-param-log_level"),
+    # 0.6+: stop restarting after N restart cycles without progress (read from the iteration file)
+    "max_no_progress_cycles": ("--ft-max-no-progress-cycles",),
+    "checkpoint_iteration_file": ("--ft-checkpoint-iteration-file",),
 }
 
 
 def launcher_flag(name: str) -> str | None:
-    """This release's spelling of an ft_launcher setting, or None if it has none (skip it)."""
+    """This release's spelling of an ft_launcher setting, or None if it has none or deprecates it (skip it)."""
+    if name in _DEPRECATED_FROM and version() >= _DEPRECATED_FROM[name]:
+        return None
     opts = _launcher_options()
     return next((s for s in _LAUNCHER_FLAGS[name] if s in opts), None)
 

@@ -1,156 +1,287 @@
 """The operator API: start, inspect, restart, stop jobs from scripts and CI.
 
-Authentication is HTTP Basic against the user database (use TLS), or the browser session (then
-CSRF applies as for any form). Reading needs any account; acting needs an operator. Every action
-is audited by the service it calls.
+Reading needs any account; acting needs an operator (``controlplane.api.http``). Every action is
+audited by the service it calls. A job's lists (ranks, faults, cycles, checkpoints, commands) come a
+page at a time in a stable order with a ``next`` link, filtered by the query parameters their
+``*Query`` type declares; their figures are the job page's (``controlplane.api.render``). The
+OpenAPI document is generated from the same types (``controlplane.api.openapi``).
 """
 
 from __future__ import annotations
 
-import base64
-import json
+from collections.abc import Callable
+from functools import wraps
 
-from django.contrib.auth import authenticate
-from django.http import HttpRequest, JsonResponse
-from django.shortcuts import get_object_or_404
+from django.http import HttpRequest, HttpResponse
+from django.utils import timezone
+from django.views.decorators.cache import never_cache
 from django.views.decorators.csrf import csrf_exempt
-from django.views.decorators.http import require_http_methods
 
-from controlplane.jobs import services
-from controlplane.jobs.models import Job
-from controlplane.jobs.roles import is_operator
+from controlplane.api import openapi as doc
+from controlplane.api import render, schema
+from controlplane.api.http import (
+    Refused,
+    authorise,
+    body,
+    error,
+    job_or_404,
+    keyset,
+    next_link,
+    query,
+    respond,
+)
+from controlplane.jobs import figures, services
+from controlplane.jobs.models import (
+    AuditEntry,
+    Checkpoint,
+    Command,
+    Fault,
+    Job,
+    QuarantinedHeartbeat,
+    Rank,
+    RestartCycle,
+    TrainingSample,
+)
 from controlplane.jobs.spec import JobSpec, SpecError
 from controlplane.launchers import services as launch_services
+from controlplane.launchers.logs import log_tail
 from trainer.wire import CommandKind
 
-MAX_BODY = 64 * 1024
+
+def api_view(*methods: str) -> Callable:
+    """JSON errors for refusals and other methods (405 with Allow); never cached; CSRF checked by
+    ``authorise`` for session writes (Basic-authenticated scripts have no CSRF token)."""
+
+    def deco(fn):
+        @csrf_exempt
+        @never_cache
+        @wraps(fn)
+        def view(request: HttpRequest, *args, **kwargs) -> HttpResponse:
+            if request.method not in methods:
+                resp = error(405, f"use {' or '.join(methods)}")
+                resp["Allow"] = ", ".join(methods)
+                return resp
+            try:
+                return fn(request, *args, **kwargs)
+            except Refused as r:
+                return r.response
+
+        return view
+
+    return deco
 
 
-def _error(status: int, message: str, **extra) -> JsonResponse:
-    return JsonResponse({"error": message, **extra}, status=status)
+@api_view("GET", "POST")
+def jobs(request: HttpRequest) -> HttpResponse:
+    """GET: jobs, newest first. POST: start a job (operators)."""
+    if request.method == "POST":
+        return _create_job(request)
+    authorise(request, act=False)
+    q = query(request, schema.JobsQuery)
+    qs = Job.objects.all()
+    if q.status:
+        qs = qs.filter(status=q.status)
+    rows, after = keyset(qs, q, descending=True)
+    return respond(schema.JobList(jobs=[render.job(j) for j in rows], next=next_link(request, q, after)))
 
 
-def _user(request: HttpRequest):
-    auth = request.headers.get("Authorization", "")
-    if auth.startswith("Basic "):
-        try:
-            username, _, password = base64.b64decode(auth[6:]).decode().partition(":")
-        except (ValueError, UnicodeDecodeError):
-            return None
-        return authenticate(request, username=username, password=password)
-    if request.user.is_authenticated:
-        return request.user
-    return None
-
-
-def _authorise(request: HttpRequest, *, act: bool):
-    """Returns (user, None) or (None, error response)."""
-    via_basic = request.headers.get("Authorization", "").startswith("Basic ")
-    user = _user(request)
-    if user is None:
-        resp = _error(401, "log in: send HTTP Basic credentials of an Unbroken account")
-        resp["WWW-Authenticate"] = 'Basic realm="unbroken"'
-        return None, resp
-    if act and not via_basic:
-        # Session-authenticated writes need the CSRF token like any form post.
-        from django.middleware.csrf import CsrfViewMiddleware
-
-        reason = CsrfViewMiddleware(lambda r: None).process_view(request, None, (), {})
-        if reason is not None:
-            return None, _error(403, "CSRF check failed: send the csrftoken cookie's value in X-CSRFToken")
-    if act and not is_operator(user):
-        return None, _error(403, "only operators may start, stop, restart or inject faults")
-    return user, None
-
-
-def _body(request: HttpRequest):
-    if len(request.body) > MAX_BODY:
-        return None, _error(413, f"the body is larger than {MAX_BODY} bytes")
+def _create_job(request: HttpRequest) -> HttpResponse:
+    user = authorise(request, act=True)
+    data = body(request, schema.JobCreate)
     try:
-        data = json.loads(request.body or b"{}")
-    except (ValueError, UnicodeDecodeError) as e:
-        return None, _error(400, f"malformed JSON: {e}")
-    if not isinstance(data, dict):
-        return None, _error(400, "the body must be a JSON object")
-    return data, None
-
-
-def job_json(job: Job) -> dict:
-    return {
-        "id": job.pk, "name": job.name, "status": job.status, "status_reason": job.status_reason,
-        "backend": job.backend, "attempt": job.attempt, "last_step": job.last_step,
-        "created_at": job.created_at.isoformat(), "spec": job.spec,
-    }
-
-
-@csrf_exempt
-@require_http_methods(["GET", "POST"])
-def jobs(request: HttpRequest) -> JsonResponse:
-    user, err = _authorise(request, act=request.method == "POST")
-    if err:
-        return err
-    if request.method == "GET":
-        return JsonResponse({"jobs": [job_json(j) for j in Job.objects.all()[:100]]})
-    data, err = _body(request)
-    if err:
-        return err
-    name = data.pop("name", "job")
-    if not isinstance(name, str) or not 0 < len(name) <= 100:
-        return _error(422, "must be a string of 1 to 100 characters", field="name")
-    notify = {k: data.pop(k, "") for k in ("notify_webhook_url", "notify_email")}
-    try:
-        spec = JobSpec.from_dict(data.pop("spec", {}))
+        spec = JobSpec.from_dict(data.spec)
     except SpecError as e:
-        return _error(422, str(e), fields=e.errors)
-    if data:
-        return _error(422, f"unknown fields: {', '.join(sorted(data))}", fields={k: "unknown field" for k in data})
+        return error(422, str(e), fields=e.errors)
     problems = launch_services.preflight(spec=spec)
     if problems:
-        return _error(422, "cannot launch: " + "; ".join(problems), preflight=problems)
-    job = services.create_job(name=name, spec=spec, created_by=user, remote_addr=request.META.get("REMOTE_ADDR"),
-                              **notify)
-    return JsonResponse(job_json(job), status=201)
+        return error(422, "cannot launch: " + "; ".join(problems), preflight=problems)
+    job = services.create_job(name=data.name, spec=spec, created_by=user,
+                              remote_addr=request.META.get("REMOTE_ADDR"),
+                              notify_webhook_url=data.notify_webhook_url, notify_email=data.notify_email)
+    return respond(render.job(job), 201)
 
 
-@csrf_exempt
-@require_http_methods(["GET"])
-def job_detail(request: HttpRequest, job_id: int) -> JsonResponse:
-    _, err = _authorise(request, act=False)
-    if err:
-        return err
-    return JsonResponse(job_json(get_object_or_404(Job, pk=job_id)))
+@api_view("GET")
+def job_detail(request: HttpRequest, job_id: int) -> HttpResponse:
+    """The job with a summary of everything its page shows, and links to each list."""
+    authorise(request, act=False)
+    query(request, schema.NoQuery)
+    return respond(render.job_detail(job_or_404(job_id), timezone.now()))
 
 
-@csrf_exempt
-@require_http_methods(["POST"])
-def job_commands(request: HttpRequest, job_id: int) -> JsonResponse:
-    """{"kind": "stop"} | {"kind": "restart", "level": "in_process|in_job|job", "rank": null}
-    | {"kind": "inject_fault", "fault": "exception", "rank": 1}"""
-    user, err = _authorise(request, act=True)
-    if err:
-        return err
-    job = get_object_or_404(Job, pk=job_id)
-    data, err = _body(request)
-    if err:
-        return err
-    kind = data.get("kind")
-    rank = data.get("rank")
-    if rank is not None and type(rank) is not int:
-        return _error(422, "must be an integer or null", field="rank")
+@api_view("GET")
+def job_goodput(request: HttpRequest, job_id: int) -> HttpResponse:
+    authorise(request, act=False)
+    query(request, schema.NoQuery)
+    return respond(render.goodput(job_or_404(job_id), timezone.now()))
+
+
+@api_view("GET")
+def job_ranks(request: HttpRequest, job_id: int) -> HttpResponse:
+    """Every rank of the job's world by rank number (ranks that never reported: health "unknown")."""
+    authorise(request, act=False)
+    job = job_or_404(job_id)
+    q = query(request, schema.RanksQuery)
+    now = timezone.now()
+    rows = Rank.objects.filter(job=job)
+    if q.node is not None:
+        rows = rows.filter(node=q.node)
+    world = figures.world(job, rows) if q.node is None else list(rows.order_by("rank"))
+    if q.after is not None:
+        world = [r for r in world if (r.rank if isinstance(r, Rank) else r[0]) > q.after]
+    out: list[schema.Rank] = []
+    after = None
+    # Health depends on now, so it is filtered here; figures are computed a page's worth at a time.
+    for i in range(0, len(world), q.limit):
+        chunk = [f for f in figures.rank_figures(job, world[i:i + q.limit], now)
+                 if q.health is None or f.health == q.health]
+        out += [render.rank(f, now) for f in chunk]
+        if len(out) >= q.limit:
+            more = len(out) > q.limit or i + q.limit < len(world)
+            out = out[: q.limit]
+            after = out[-1].rank if more else None
+            break
+    return respond(schema.RankList(ranks=out, next=next_link(request, q, after)))
+
+
+@api_view("GET")
+def job_faults(request: HttpRequest, job_id: int) -> HttpResponse:
+    """Faults in the order they were recorded, with their evidence and their cycle's figures."""
+    authorise(request, act=False)
+    job = job_or_404(job_id)
+    q = query(request, schema.FaultsQuery)
+    qs = Fault.objects.filter(job=job).select_related("cycle")
+    if q.fault_class:
+        qs = qs.filter(fault_class=q.fault_class)
+    if q.layer:
+        qs = qs.filter(cycle__layer=q.layer)
+    if q.rank is not None:
+        qs = qs.filter(rank=q.rank)
+    rows, after = keyset(qs, q)
+    nodes = job.rank_nodes()
+    faults = [render.fault(f, nodes) for f in rows]
+    return respond(schema.FaultList(faults=faults, next=next_link(request, q, after)))
+
+
+@api_view("GET")
+def job_cycles(request: HttpRequest, job_id: int) -> HttpResponse:
+    """Restart cycles in the order they were opened, with their marks and the time between them."""
+    authorise(request, act=False)
+    job = job_or_404(job_id)
+    q = query(request, schema.CyclesQuery)
+    qs = RestartCycle.objects.filter(job=job)
+    if q.layer:
+        qs = qs.filter(layer=q.layer)
+    if q.open is not None:
+        qs = qs.filter(first_step_at__isnull=q.open)
+    rows, after = keyset(qs, q)
+    cycles = [render.cycle(c) for c in rows]
+    return respond(schema.CycleList(cycles=cycles, next=next_link(request, q, after)))
+
+
+@api_view("GET")
+def job_checkpoints(request: HttpRequest, job_id: int) -> HttpResponse:
+    """The checkpoint ledger in the order saves were recorded (every attempt of a step is its own row)."""
+    authorise(request, act=False)
+    job = job_or_404(job_id)
+    q = query(request, schema.CheckpointsQuery)
+    qs = Checkpoint.objects.filter(job=job)
+    if q.state:
+        qs = qs.filter(state=q.state)
+    if q.mode:
+        qs = qs.filter(mode=q.mode)
+    rows, after = keyset(qs, q)
+    return respond(schema.CheckpointList(checkpoints=[render.checkpoint(c) for c in rows],
+                                         next=next_link(request, q, after)))
+
+
+@api_view("GET", "POST")
+def job_commands(request: HttpRequest, job_id: int) -> HttpResponse:
+    """GET: commands in the order they were issued. POST: issue one (operators)."""
+    if request.method == "POST":
+        return _issue_command(request, job_id)
+    authorise(request, act=False)
+    job = job_or_404(job_id)
+    q = query(request, schema.CommandsQuery)
+    qs = Command.objects.filter(job=job).select_related("issued_by")
+    if q.kind:
+        qs = qs.filter(kind=q.kind)
+    if q.status:
+        qs = qs.filter(status=q.status)
+    rows, after = keyset(qs, q)
+    commands = [render.command(c) for c in rows]
+    return respond(schema.CommandList(commands=commands, next=next_link(request, q, after)))
+
+
+@api_view("GET")
+def job_samples(request: HttpRequest, job_id: int) -> HttpResponse:
+    """The loss and throughput history in the order stored (sort by ``at`` to chart it)."""
+    authorise(request, act=False)
+    job = job_or_404(job_id)
+    q = query(request, schema.SamplesQuery)
+    qs = TrainingSample.objects.filter(job=job)
+    if q.rank is not None:
+        qs = qs.filter(rank=q.rank)
+    rows, after = keyset(qs, q)
+    samples = [render.sample(t) for t in rows]
+    return respond(schema.SampleList(samples=samples, next=next_link(request, q, after)))
+
+
+@api_view("GET")
+def job_audit(request: HttpRequest, job_id: int) -> HttpResponse:
+    """Who did what to the job, newest first (as on the page)."""
+    authorise(request, act=False)
+    job = job_or_404(job_id)
+    q = query(request, schema.Page)
+    rows, after = keyset(AuditEntry.objects.filter(job=job), q, descending=True)
+    return respond(schema.AuditList(audit=[render.audit(a) for a in rows], next=next_link(request, q, after)))
+
+
+@api_view("GET")
+def job_quarantined(request: HttpRequest, job_id: int) -> HttpResponse:
+    """Heartbeat state the flush could not store (the page's "Quarantined heartbeats"), by rank row."""
+    authorise(request, act=False)
+    job = job_or_404(job_id)
+    q = query(request, schema.Page)
+    rows, after = keyset(QuarantinedHeartbeat.objects.filter(job=job), q)
+    items = [render.quarantined(x) for x in rows]
+    return respond(schema.QuarantinedList(quarantined=items, next=next_link(request, q, after)))
+
+
+@api_view("GET")
+def job_log(request: HttpRequest, job_id: int) -> HttpResponse:
+    authorise(request, act=False)
+    query(request, schema.NoQuery)
+    tail = log_tail(job_or_404(job_id))
+    return respond(schema.Log(text=tail.text, why=tail.why))
+
+
+def _issue_command(request: HttpRequest, job_id: int) -> HttpResponse:
+    user = authorise(request, act=True)
+    job = job_or_404(job_id)
+    data = body(request, schema.CommandCreate)
     addr = request.META.get("REMOTE_ADDR")
     try:
-        if kind == CommandKind.STOP:
+        if data.kind == CommandKind.STOP:
             cmd = services.stop_job(job=job, requested_by=user, remote_addr=addr)
-        elif kind == CommandKind.RESTART:
-            cmd = services.restart_job(job=job, level=str(data.get("level", "")), rank=rank, requested_by=user,
+        elif data.kind == CommandKind.RESTART:
+            if data.level is None:
+                return error(422, "restart needs the level to restart at", field="level")
+            cmd = services.restart_job(job=job, level=data.level, rank=data.rank, requested_by=user,
                                        remote_addr=addr)
-        elif kind == CommandKind.INJECT_FAULT:
-            if rank is None:
-                return _error(422, "inject_fault needs the rank to inject into", field="rank")
-            cmd = services.inject_fault(job=job, fault=str(data.get("fault", "")), rank=rank, requested_by=user,
-                                        remote_addr=addr)
         else:
-            return _error(422, "must be stop, restart or inject_fault", field="kind")
+            if data.rank is None:
+                return error(422, "inject_fault needs the rank to inject into", field="rank")
+            if data.fault is None:
+                return error(422, "inject_fault needs the fault to inject", field="fault")
+            cmd = services.inject_fault(job=job, fault=data.fault, rank=data.rank, requested_by=user,
+                                        remote_addr=addr)
     except services.ActionError as e:
-        return _error(409, str(e))
-    return JsonResponse({"id": cmd.pk, "kind": cmd.kind, "status": cmd.status}, status=202)
+        return error(409, str(e))
+    return respond(render.command(cmd), 202)
+
+
+@never_cache
+def openapi(request: HttpRequest) -> HttpResponse:
+    """The operator API's OpenAPI document (public: it holds no data)."""
+    return HttpResponse(doc.document_bytes(), content_type="application/json")

@@ -165,11 +165,23 @@ def job_inject(request, job_id: int):
     )
 
 
+def _job_to_repeat(request) -> Job | None:
+    raw = request.GET.get("from", "")
+    if not raw.isdigit():
+        return None
+    return get_object_or_404(Job, pk=int(raw))
+
+
 @require_http_methods(["GET", "POST"])
 @operator_required
 def job_new(request):
     presets = [{"key": k, "label": v[0], "help": v[1]} for k, v in PRESET_CHOICES.items()]
     if request.method == "GET":
+        again = _job_to_repeat(request)
+        if again is not None:  # "start again with this spec": the finished job's spec, to check and start
+            form = JobForm(initial=JobForm.initial_for(again.job_spec, name=again.name))
+            return render(request, "dashboard/job_new.html",
+                          {"form": form, "presets": presets, "preset": "", "again": again})
         key = request.GET.get("preset", "demo")
         label, _, spec = PRESET_CHOICES.get(key, PRESET_CHOICES["demo"])
         form = JobForm(initial=JobForm.initial_for(spec, name=key if key in PRESET_CHOICES else "demo"))
@@ -181,7 +193,9 @@ def job_new(request):
     problems = launch_services.preflight(spec=spec)
     if problems:
         for problem in problems:
-            form.add_error(None, f"Cannot launch: {problem}")
+            key, _, message = problem.partition(": ")  # "max_no_progress_restarts: needs NVRx 0.6.0 ..."
+            field = form.field_for(key) if message else None
+            form.add_error(field, f"Cannot launch: {message if field else problem}")
         return render(request, "dashboard/job_new.html", {"form": form, "presets": presets}, status=400)
     if not _confirmed(request):
         return _confirm(

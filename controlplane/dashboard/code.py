@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import shlex
 
-from controlplane.jobs.models import Event, Job
-from trainer.wire import EventKind
+from controlplane.jobs import figures
+from controlplane.jobs.models import Job
 
 
 # What each integration level of the user's own code cannot tell the control plane (shown, not zeros).
@@ -28,11 +28,8 @@ def code_part(job: Job) -> dict | None:
     spec = job.spec or {}
     if not spec.get("entrypoint"):
         return None
-    hellos = list(Event.objects.filter(job=job, kind=EventKind.INTEGRATION).order_by("-at")
-                  .values_list("data", flat=True)[:64])
-    levels = [h.get("level") for h in hellos if isinstance(h.get("level"), int)]
-    level = max(levels) if levels else None
-    latest = hellos[0] if hellos else {}
+    reported = figures.integration(job)
+    level = reported.level if reported else None
     limits = LEVEL_LIMITS.get(level) if level is not None else \
         "waiting for the ranks to start (they report their integration level and versions)"
     if level is not None and level < 2 and spec.get("in_process"):
@@ -43,6 +40,6 @@ def code_part(job: Job) -> dict | None:
         "working_dir": spec.get("working_dir") or "",
         "env_names": sorted((spec.get("env") or {}).keys()),
         "level": level,
-        "versions": {k: latest.get(k) for k in ("sdk", "torch", "nvrx", "python") if latest.get(k)},
+        "versions": reported.versions if reported else {},
         "limits": limits,
     }

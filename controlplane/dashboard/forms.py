@@ -35,8 +35,9 @@ EXAMPLE_SCRIPT = str(Path(settings.BASE_DIR) / "trainer" / "examples" / "plain_f
 PRESET_CHOICES = {
     "demo": (
         "Demo",
-        "2 ranks on this machine's CPU, with a fault drill (an exception at step 60 on rank 1, "
-        "a SIGKILL at step 150 on rank 0)",
+        "2 ranks on this machine's CPU for about 5 minutes (1,500 steps), with two fault drills (an "
+        "exception at step 300 on rank 1, a SIGKILL at step 900 on rank 0): time to try a restart and an "
+        "injection of your own while it runs",
         DEMO_SPEC,
     ),
     "own-script": (
@@ -94,6 +95,10 @@ class JobForm(forms.Form):
     max_in_process_restarts = forms.IntegerField(min_value=0)
     max_in_job_restarts = forms.IntegerField(min_value=0)
     max_job_restarts = forms.IntegerField(min_value=0)
+    max_no_progress_restarts = forms.IntegerField(
+        min_value=0, required=False, label="Stop after restarts without progress",
+        help_text="NVRx 0.6+: ft_launcher gives up after this many in-job restarts in a row with no newer "
+                  "checkpoint; 0 = off")
     heartbeat_interval_s = forms.FloatField(label="Heartbeat interval (s)")
     step_timeout_s = forms.FloatField(label="Step timeout (s)")
     checkpoint_timeout_s = forms.FloatField(label="Checkpoint timeout (s)")
@@ -130,6 +135,9 @@ class JobForm(forms.Form):
         label="Tolerations",
         help_text='JSON list, e.g. [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]',
     )
+    k8s_nvrx_version = forms.CharField(
+        required=False, max_length=32, label="NVRx version in the image",
+        help_text="e.g. 0.4.1 or 0.6.0; the job's NVRx options are checked against it before launch")
     k8s_use_jobset = forms.BooleanField(required=False, label="Use JobSet (else an Indexed Job)")
     k8s_secrets = forms.CharField(
         required=False, widget=forms.Textarea(attrs={"rows": 2}), label="Secrets to mount",
@@ -171,11 +179,11 @@ class JobForm(forms.Form):
             self.spec = JobSpec.from_dict(self._spec_dict(cleaned))
         except SpecError as e:
             for key, msg in e.errors.items():
-                self.add_error(self._field_for(key), msg)
+                self.add_error(self.field_for(key), msg)
         return cleaned
 
     def _spec_dict(self, c: dict) -> dict:
-        data = {k: c[k] for k in self.SPEC_FIELDS}
+        data = {k: c[k] for k in self.SPEC_FIELDS if c[k] is not None}  # blank optional: the spec default
         drills = []
         for i, line in enumerate(x.strip() for x in (c.get("drills") or "").splitlines()):
             if not line:
@@ -231,7 +239,8 @@ class JobForm(forms.Form):
             data["kubernetes"] = k8s
         return data
 
-    def _field_for(self, key: str) -> str | None:
+    def field_for(self, key: str) -> str | None:
+        """The form field of a spec key (kubernetes.image: k8s_image); None for the form as a whole."""
         if key.startswith("drills"):
             return "drills"
         if key.startswith("kubernetes."):

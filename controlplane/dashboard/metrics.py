@@ -1,4 +1,6 @@
-"""``/metrics``: Prometheus text format (version 0.0.4) for active jobs and jobs finished in the last hour.
+"""``/metrics``: Prometheus text format (version 0.0.4) for active jobs and jobs finished in the last hour,
+written by prometheus_client from one collector (``JobCollector``) that runs a fixed number of grouped
+queries per scrape, however many ranks and checkpoints the jobs have.
 
 Auth: with ``UNBROKEN_METRICS_TOKEN`` (or ``UNBROKEN_METRICS_TOKEN_FILE``) set, a scraper must send
 ``Authorization: Bearer <token>``. Without it, only loopback clients (a Prometheus or agent on the
@@ -9,11 +11,13 @@ from __future__ import annotations
 
 import hmac
 import os
-from collections import defaultdict
 from datetime import timedelta
 from pathlib import Path
 
-from django.db.models import Count, Q, Sum
+from django.core.cache import cache
+from django.db.models import Count, DurationField, ExpressionWrapper, F, Min, Q, Sum, Value
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from django.http import HttpResponse
 from django.utils import timezone
 from django.views.decorators.http import require_GET
@@ -24,6 +28,7 @@ from trainer.wire import CheckpointState
 
 BLOCKING_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 DURABLE_BUCKETS = (0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+AGE_BUCKETS = (1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 3600.0)
 LOOPBACK = ("127.0.0.1", "::1", "::ffff:127.0.0.1")
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -51,126 +56,149 @@ def _allowed(request) -> tuple[bool, int, str]:
     )
 
 
-def _esc(v) -> str:
-    return str(v).replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+def _histogram(qs, value, buckets: tuple[float, ...], *,
+               duration: bool = False) -> dict[int, tuple[list, float]]:
+    """Per job: cumulative bucket counts of ``value`` and their sum, counted by the database (one grouped
+    query; no row reaches Python). ``duration``: ``value`` is an interval, compared against timedeltas."""
+    def bound(le: float):
+        return timedelta(seconds=le) if duration else le
+
+    aggs = {f"b{i}": Count("pk", filter=Q(**{"v__lte": bound(le)})) for i, le in enumerate(buckets)}
+    rows = (qs.annotate(v=value).filter(v__isnull=False).values("job_id")
+            .annotate(n=Count("pk"), s=Sum("v"), **aggs))
+    out = {}
+    for r in rows:
+        total = r["s"].total_seconds() if isinstance(r["s"], timedelta) else float(r["s"] or 0.0)
+        counts = [(_le(le), r[f"b{i}"]) for i, le in enumerate(buckets)] + [("+Inf", r["n"])]
+        out[r["job_id"]] = (counts, total)
+    return out
 
 
-def _labels(**kw) -> str:
-    return "{" + ",".join(f'{k}="{_esc(v)}"' for k, v in kw.items()) + "}"
+def _le(v: float) -> str:
+    return repr(float(v))
 
 
-def _num(v: float) -> str:
-    return repr(float(v)) if isinstance(v, float) else str(v)
+GOODPUT_CACHE_S = 30.0  # goodput reads a job's cycles, checkpoints and ranks: at most this often per job
 
 
-class Exposition:
-    def __init__(self):
-        self.lines: list[str] = []
-
-    def family(self, name: str, kind: str, help_: str, /) -> None:
-        self.lines.append(f"# HELP {name} {help_}")
-        self.lines.append(f"# TYPE {name} {kind}")
-
-    def sample(self, metric: str, value, /, **labels) -> None:
-        self.lines.append(f"{metric}{_labels(**labels) if labels else ''} {_num(value)}")
-
-    def histogram(self, name: str, values: list[float], buckets: tuple[float, ...], /, **labels) -> None:
-        for le in buckets:
-            self.sample(f"{name}_bucket", sum(1 for v in values if v <= le), **labels, le=_num(le))
-        self.sample(f"{name}_bucket", len(values), **labels, le="+Inf")
-        self.sample(f"{name}_sum", float(sum(values)), **labels)
-        self.sample(f"{name}_count", len(values), **labels)
-
-    def text(self) -> str:
-        return "\n".join(self.lines) + "\n"
+def _goodput(job: Job, now) -> dict[str, float]:
+    key = f"metrics:goodput:{job.pk}"
+    shares = cache.get(key)
+    if shares is None:
+        shares = job.goodput(now)
+        cache.set(key, shares, GOODPUT_CACHE_S)
+    return shares
 
 
-def render_metrics(now) -> str:
-    jobs = list(
-        Job.objects.filter(
-            Q(finished_at__isnull=True) | Q(finished_at__gte=now - timedelta(hours=1))
-        ).order_by("id")
-    )
-    ids = [j.pk for j in jobs]
-    out = Exposition()
+class JobCollector:
+    """The families of ``/metrics``, built per scrape from grouped queries. Labels are bounded: the job id,
+    and the layer, fault class, goodput part or histogram bucket (each a short fixed list). Per-rank detail
+    is a histogram per job (heartbeat ages) plus the oldest age, so 100,000 ranks make as many series as 2."""
 
-    out.family("unbroken_job_step", "gauge", "Last completed training step.")
-    for j in jobs:
-        out.sample("unbroken_job_step", j.last_step, job=j.pk, name=j.name, status=j.status)
+    def __init__(self, now):
+        self.now = now
 
-    out.family("unbroken_restarts_total", "counter", "Restart cycles, by the layer that handled them.")
-    for job_id, layer, n in (
-        RestartCycle.objects.filter(job_id__in=ids)
-        .values_list("job_id", "layer")
-        .annotate(n=Count("id"))
-        .order_by("job_id", "layer")
-    ):
-        out.sample("unbroken_restarts_total", n, job=job_id, layer=layer)
+    def collect(self):
+        now = self.now
+        recent = Q(finished_at__isnull=True) | Q(finished_at__gte=now - timedelta(hours=1))
+        jobs = list(Job.objects.filter(recent).order_by("id").only(
+            "pk", "status", "last_step", "started_at", "created_at", "finished_at", "first_step_at"))
+        ids = [j.pk for j in jobs]
 
-    out.family("unbroken_faults_total", "counter", "Faults, by class.")
-    for job_id, cls, n in (
-        Fault.objects.filter(job_id__in=ids)
-        .values_list("job_id", "fault_class")
-        .annotate(n=Count("id"))
-        .order_by("job_id", "fault_class")
-    ):
-        out.sample("unbroken_faults_total", n, job=job_id, **{"class": cls})
+        step = GaugeMetricFamily("unbroken_job_step", "Last completed training step.", labels=["job"])
+        active = GaugeMetricFamily("unbroken_job_active", "1 while the job runs (launching, running, "
+                                   "recovering), 0 in the hour after it ended.", labels=["job"])
+        for j in jobs:
+            step.add_metric([str(j.pk)], j.last_step)
+            active.add_metric([str(j.pk)], 1 if j.is_active else 0)
+        yield step
+        yield active
 
-    blocking: dict[int, list[float]] = defaultdict(list)
-    durable: dict[int, list[float]] = defaultdict(list)
-    for job_id, started_at, finished_at, blocking_s, state in Checkpoint.objects.filter(
-        job_id__in=ids
-    ).values_list("job_id", "started_at", "finished_at", "blocking_s", "state"):
-        if blocking_s is not None:
-            blocking[job_id].append(blocking_s)
-        if state == CheckpointState.DURABLE and finished_at is not None:
-            durable[job_id].append((finished_at - started_at).total_seconds())
-    out.family(
-        "unbroken_checkpoint_blocking_seconds", "histogram", "Time the training loop waited on a save."
-    )
-    for j in jobs:
-        out.histogram(
-            "unbroken_checkpoint_blocking_seconds", blocking.get(j.pk, []), BLOCKING_BUCKETS, job=j.pk
-        )
-    out.family("unbroken_checkpoint_durable_seconds", "histogram", "Save start to durable (committed).")
-    for j in jobs:
-        out.histogram("unbroken_checkpoint_durable_seconds", durable.get(j.pk, []), DURABLE_BUCKETS, job=j.pk)
+        restarts = CounterMetricFamily("unbroken_restarts", "Restart cycles, by the layer that handled them.",
+                                       labels=["job", "layer"])
+        for job_id, layer, n in (RestartCycle.objects.filter(job_id__in=ids).values_list("job_id", "layer")
+                                 .annotate(n=Count("id")).order_by("job_id", "layer")):
+            restarts.add_metric([str(job_id), layer], n)
+        yield restarts
 
-    out.family(
-        "unbroken_goodput_ratio", "gauge", "Productive step time / wall time (definition on the job page)."
-    )
-    shares = {j.pk: j.goodput(now) for j in jobs}
-    for j in jobs:
-        out.sample("unbroken_goodput_ratio", round(shares[j.pk]["goodput"], 6), job=j.pk)
-    out.family("unbroken_wall_time_share", "gauge", "Share of wall time per goodput part; parts add up to 1.")
-    for j in jobs:
-        for part in PARTS:
-            out.sample("unbroken_wall_time_share", round(shares[j.pk][part], 6), job=j.pk, part=part)
+        faults = CounterMetricFamily("unbroken_faults", "Faults, by class.", labels=["job", "class"])
+        for job_id, cls, n in (Fault.objects.filter(job_id__in=ids).values_list("job_id", "fault_class")
+                               .annotate(n=Count("id")).order_by("job_id", "fault_class")):
+            faults.add_metric([str(job_id), cls], n)
+        yield faults
 
-    out.family("unbroken_ingest_quarantined_total", "counter",
-               "Heartbeat states the flush could not write and quarantined (reasons on the job page).")
-    for job_id, n in (
-        QuarantinedHeartbeat.objects.filter(job_id__in=ids)
-        .values_list("job_id")
-        .annotate(n=Sum("count"))
-        .order_by("job_id")
-    ):
-        out.sample("unbroken_ingest_quarantined_total", n, job=job_id)
+        checkpoints = Checkpoint.objects.filter(job_id__in=ids)
+        for name, help_, hist in (
+            ("unbroken_checkpoint_blocking_seconds", "Time the training loop waited on a save.",
+             _histogram(checkpoints, F("blocking_s"), BLOCKING_BUCKETS)),
+            ("unbroken_checkpoint_durable_seconds", "Save start to durable (committed).",
+             _histogram(checkpoints.filter(state=CheckpointState.DURABLE, finished_at__isnull=False),
+                        ExpressionWrapper(F("finished_at") - F("started_at"), output_field=DurationField()),
+                        DURABLE_BUCKETS, duration=True)),
+        ):
+            fam = HistogramMetricFamily(name, help_, labels=["job"])
+            buckets = BLOCKING_BUCKETS if "blocking" in name else DURABLE_BUCKETS
+            empty = ([(_le(le), 0) for le in buckets] + [("+Inf", 0)], 0.0)
+            for j in jobs:
+                counts, total = hist.get(j.pk, empty)
+                fam.add_metric([str(j.pk)], counts, total)
+            yield fam
 
-    out.family("unbroken_rank_heartbeat_age_seconds", "gauge", "Seconds since the rank's last heartbeat.")
-    for job_id, rank, node, hb in (
-        Rank.objects.filter(job_id__in=ids, last_heartbeat_at__isnull=False)
-        .values_list("job_id", "rank", "node", "last_heartbeat_at")
-        .order_by("job_id", "rank")
-    ):
-        out.sample(
-            "unbroken_rank_heartbeat_age_seconds",
-            round((now - hb).total_seconds(), 3),
-            job=job_id,
-            rank=rank,
-            node=node,
-        )
-    return out.text()
+        shares = {j.pk: _goodput(j, now) for j in jobs}
+        goodput = GaugeMetricFamily("unbroken_goodput_ratio", "Productive step time / wall time "
+                                    "(definition on the job page).", labels=["job"])
+        parts = GaugeMetricFamily("unbroken_wall_time_share", "Share of wall time per goodput part; "
+                                  "parts add up to 1.", labels=["job", "part"])
+        for j in jobs:
+            goodput.add_metric([str(j.pk)], round(shares[j.pk]["goodput"], 6))
+            for part in PARTS:
+                parts.add_metric([str(j.pk), part], round(shares[j.pk][part], 6))
+        yield goodput
+        yield parts
+
+        quarantined = CounterMetricFamily("unbroken_ingest_quarantined", "Heartbeat states the flush "
+                                          "could not write and quarantined (reasons on the job page).",
+                                          labels=["job"])
+        for job_id, n in (QuarantinedHeartbeat.objects.filter(job_id__in=ids).values_list("job_id")
+                          .annotate(n=Sum("count")).order_by("job_id")):
+            quarantined.add_metric([str(job_id)], n)
+        yield quarantined
+
+        ranks = Rank.objects.filter(job_id__in=ids, last_heartbeat_at__isnull=False)
+        age = ExpressionWrapper(Value(now) - F("last_heartbeat_at"), output_field=DurationField())
+        ages = _histogram(ranks, age, AGE_BUCKETS, duration=True)
+        fam = HistogramMetricFamily("unbroken_rank_heartbeat_age_seconds",
+                                    "Seconds since each rank's last heartbeat, as a histogram per job.",
+                                    labels=["job"])
+        oldest = GaugeMetricFamily("unbroken_rank_heartbeat_age_max_seconds",
+                                   "Seconds since the last heartbeat of the job's quietest rank.",
+                                   labels=["job"])
+        lost = GaugeMetricFamily("unbroken_ranks_lost", "Ranks the watchdog marked lost.", labels=["job"])
+        stalled = GaugeMetricFamily("unbroken_ranks_stalled", "Ranks the watchdog marked stalled.",
+                                    labels=["job"])
+        per_job = {r["job_id"]: r for r in Rank.objects.filter(job_id__in=ids).values("job_id").annotate(
+            first=Min("last_heartbeat_at"), lost=Count("pk", filter=Q(lost_at__isnull=False)),
+            stalled=Count("pk", filter=Q(stalled_at__isnull=False)))}
+        for job_id in ids:
+            if job_id in ages:
+                fam.add_metric([str(job_id)], *ages[job_id])
+            r = per_job.get(job_id)
+            if r is None:
+                continue
+            if r["first"] is not None:
+                oldest.add_metric([str(job_id)], round((now - r["first"]).total_seconds(), 3))
+            lost.add_metric([str(job_id)], r["lost"])
+            stalled.add_metric([str(job_id)], r["stalled"])
+        yield fam
+        yield oldest
+        yield lost
+        yield stalled
+
+
+def render_metrics(now) -> bytes:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(JobCollector(now))
+    return generate_latest(registry)
 
 
 @require_GET

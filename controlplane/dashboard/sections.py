@@ -15,8 +15,11 @@ from django.core.paginator import Paginator
 from django.db.models import Count, Max, Q
 
 from controlplane.dashboard import charts
+from controlplane.dashboard.timeline_figure import timeline_figure
 from controlplane.dashboard.timeline import job_spans, rank_spans, ts
+from controlplane.jobs import figures, health
 from controlplane.jobs.goodput import PARTS, Epoch
+from controlplane.jobs.heartbeats import Timeouts
 from controlplane.jobs.models import (
     AuditEntry,
     Checkpoint,
@@ -28,12 +31,14 @@ from controlplane.jobs.models import (
     RestartCycle,
     TrainingSample,
 )
+from controlplane.launchers.logs import log_tail
 from trainer.wire import CheckpointState, Layer
 
 FOLLOW_WINDOW_S = 600.0
 FAULTS_PER_PAGE = 25
 JOB_SECTIONS = (
     "header",
+    "actions",
     "timeline",
     "checkpoints",
     "faults",
@@ -93,6 +98,7 @@ def job_signatures(job: Job, now: datetime) -> dict[str, str]:
     tick = int(now.timestamp() // 5) if job.is_active else 0
     return {
         "header": _sig(status, job.last_step, tick),
+        "actions": _sig(job.is_active),
         "timeline": _sig(status, cyc_s, flt_s, ck_s, rank_health, tuple(cmd.values())),
         "checkpoints": _sig(ck_s),
         "faults": _sig(flt_s, cyc_s),
@@ -131,11 +137,7 @@ def jobs_signature(jobs: list[Job]) -> str:
 
 def job_rows(jobs: list[Job], now: datetime) -> list[dict]:
     ids = [j.pk for j in jobs]
-    restarts: dict[int, dict[str, int]] = {}
-    for job_id, layer, n in (
-        RestartCycle.objects.filter(job_id__in=ids).values_list("job_id", "layer").annotate(n=Count("id"))
-    ):
-        restarts.setdefault(job_id, {})[layer] = n
+    restarts = figures.restarts_by_layer(ids)
     durable = dict(
         Checkpoint.objects.filter(job_id__in=ids, state=CheckpointState.DURABLE)
         .values_list("job_id")
@@ -149,7 +151,7 @@ def job_rows(jobs: list[Job], now: datetime) -> list[dict]:
             {
                 "job": j,
                 "steps": steps,
-                "progress_pct": min(100, round(100 * j.last_step / steps)) if steps else 0,
+                "progress_pct": figures.progress_pct(j),
                 "restarts": [
                     (charts.LAYER_NAMES[k], by_layer.get(k, 0))
                     for k in (Layer.IN_PROCESS, Layer.IN_JOB, Layer.JOB)
@@ -176,9 +178,15 @@ def lanes_for(job: Job, now: datetime) -> list[dict]:
     if cached is not None:
         return cached
     ranks = {r.rank: r for r in Rank.objects.filter(job=job)}
+    ids = sorted(set(range(job.world_size)) | set(ranks))
+    # Each row moved forward to the heartbeat store's newest beat, judged by the watchdog's own rule.
+    fresh = figures.freshest(job, ids) if job.is_active else {}
+    timeouts = Timeouts.of(job.spec)
     lanes = []
-    for i in sorted(set(range(job.world_size)) | set(ranks)):
+    for i in ids:
         r = ranks.get(i)
+        if i in fresh:
+            r = health.current(r or Rank(job=job, rank=i), fresh[i], timeouts, now)
         lanes.append({"rank": i, "node": r.node if r else "", "row": r})
     lanes.sort(key=lambda ln: (ln["node"], ln["rank"]))
     job._dashboard_lanes = lanes
@@ -199,7 +207,9 @@ def _cycle_dicts(job: Job, lo: datetime | None = None, hi: datetime | None = Non
                 "id": c.pk,
                 "key": c.key,
                 "layer": c.layer,
-                "reason": c.reason + (f" · gave up: escalated to {c.escalated_to}" if c.escalated_to else ""),
+                "title": c.title,
+                "reason": c.reason
+                + (" · this layer gave up; a later restart took over" if c.escalated_to else ""),
                 "fault_at": ts(c.fault_at),
                 "detected_at": ts(c.detected_at),
                 "aborted_at": ts(c.aborted_at),
@@ -249,30 +259,12 @@ def timeline_part(
     in_view = (
         Q(at__gte=lo) | Q(detected_at__gte=lo) | Q(cycle__isnull=False, cycle__first_step_at__isnull=True)
     )
+    nodes = {ln["rank"]: ln["node"] for ln in lanes if ln["node"]}
     faults = [
-        {
-            "at": at,
-            "detected_at": det,
-            "rank": rank,
-            "node": node,
-            "fault_class": cls,
-            "cycle_id": cid,
-            "detected_by": by,
-            "message": msg,
-            "detection_s": max(0.0, det - at),
-        }
-        for at, det, rank, node, cls, cid, by, msg in Fault.objects.filter(in_view, job=job, at__lte=hi)
+        fault_dict(f, nodes)
+        for f in Fault.objects.filter(in_view, job=job, at__lte=hi)
+        .select_related("cycle")
         .order_by("at", "id")
-        .values_list(
-            Epoch("at"),
-            Epoch("detected_at"),
-            "rank",
-            "node",
-            "fault_class",
-            "cycle_id",
-            "detected_by",
-            "message",
-        )
     ]
     ranks = [
         {
@@ -308,7 +300,7 @@ def timeline_part(
             "issued_by"
         )
     ]
-    fig = charts.timeline_figure(
+    fig = timeline_figure(
         lanes=lanes,
         spans=spans,
         faults=faults,
@@ -322,6 +314,20 @@ def timeline_part(
     fig["start_ms"] = charts.ms(job_start)
     fig["active"] = is_open
     return fig
+
+
+def fault_dict(f: Fault, nodes: dict[int, str]) -> dict:
+    """A fault for the timeline, with its outcome from the one place that computes it."""
+    return {
+        "at": ts(f.at),
+        "detected_at": ts(f.detected_at),
+        "rank": f.rank,
+        "fault_class": f.fault_class,
+        "cycle_id": f.cycle_id,
+        "detected_by": f.detected_by,
+        "message": f.message,
+        **figures.fault_figures(f, rank_nodes=nodes).as_dict(),
+    }
 
 
 def command_summary(c: Command) -> str:
@@ -360,7 +366,9 @@ def _checkpoint_rows(job: Job) -> list[tuple]:
 def checkpoint_part(job: Job) -> dict:
     rows = []
     for started_at, finished_at, blocking_s, write_s, nbytes, mode, state, step in _checkpoint_rows(job):
-        elapsed = max(0.0, finished_at - started_at) if finished_at is not None else None
+        fig = figures.checkpoint_figures(
+            started_at=started_at, finished_at=finished_at, state=state, write_s=write_s, nbytes=nbytes
+        )
         rows.append(
             {
                 "started_at": started_at,
@@ -368,15 +376,14 @@ def checkpoint_part(job: Job) -> dict:
                 "mode": mode,
                 "state": state,
                 "blocking_s": blocking_s,
-                "elapsed_s": elapsed,
-                "durable_s": elapsed if state == CheckpointState.DURABLE else None,
-                "mb_per_s": (nbytes / write_s / 1e6) if nbytes and write_s else None,
+                "elapsed_s": fig.elapsed_s,
+                "durable_s": fig.durable_s,
+                "mb_per_s": fig.mb_per_s,
             }
         )
-    counts = {s.value: 0 for s in CheckpointState}
-    for r in rows:
-        counts[r["state"]] = counts.get(r["state"], 0) + 1
-    return {"chart": charts.checkpoint_figure(rows), "counts": counts, "recent": list(reversed(rows[-8:]))}
+    counts = figures.checkpoint_counts(r["state"] for r in rows)
+    return {"chart": charts.checkpoint_figure(rows), "counts": counts, "recent": list(reversed(rows[-8:])),
+            "total": len(rows)}
 
 
 FAULT_FILTERS = ("fault_class", "layer", "rank")
@@ -395,21 +402,18 @@ def faults_part(job: Job, params) -> dict:
         except ValueError:
             chosen["rank"] = ""
     page = Paginator(qs, FAULTS_PER_PAGE).get_page(params.get("page"))
+    nodes = job.rank_nodes()
     rows = []
     for f in page.object_list:
-        c = f.cycle
+        fig = figures.fault_figures(f, rank_nodes=nodes)
         rows.append(
             {
                 "f": f,
-                "layer": (charts.LAYER_NAMES.get(c.layer, c.layer)
-                          + (f" → escalated ({c.escalated_to})" if c.escalated_to else "")) if c else "",
-                "detection": charts.fmt_s(
-                    c.detection_s if c and c.detection_s is not None else f.detection_s
-                ),
-                "recovery": charts.fmt_s(c.recovery_s)
-                if c and c.recovery_s is not None
-                else ("in progress" if c else "–"),
-                "lost": f.lost_steps if f.lost_steps is not None else (c.lost_steps if c else None),
+                "node": fig.node,
+                "layer": layer_words(fig.layer, fig.escalated_to),
+                "detection": charts.fmt_s(fig.detection_s),
+                "recovery": recovery_words(fig),
+                "lost": fig.lost_steps,
             }
         )
     classes = sorted(set(Fault.objects.filter(job=job).values_list("fault_class", flat=True).distinct()))
@@ -421,6 +425,18 @@ def faults_part(job: Job, params) -> dict:
         "layers": [(v.value, charts.LAYER_NAMES[v.value]) for v in Layer],
         "ranks": range(job.world_size),
     }
+
+
+def layer_words(layer: str | None, escalated_to: str | None = None) -> str:
+    if not layer:
+        return ""
+    return charts.LAYER_NAMES.get(layer, layer) + (" → handed on to a later restart" if escalated_to else "")
+
+
+def recovery_words(o) -> str:
+    if o.recovery_s is not None:
+        return charts.fmt_s(o.recovery_s)
+    return "in progress" if o.recovering else "–"
 
 
 GOODPUT_LABELS = {
@@ -489,48 +505,24 @@ def goodput_part(job: Job, now: datetime) -> dict:
     }
 
 
-def _freshest(job: Job, ranks: list[int]) -> dict:
-    """Newer heartbeats than the Rank rows hold (the Redis store writes rows on its flush); {} otherwise."""
-    try:
-        from controlplane.jobs import heartbeats
-
-        return heartbeats.get_store().freshest(job.pk, ranks)
-    except Exception:  # noqa: BLE001 - the rows are the fallback: a store hiccup must not break the page
-        return {}
-
-
 def ranks_part(job: Job, now: datetime) -> dict:
     lanes = lanes_for(job, now)
-    fresh = _freshest(job, [ln["rank"] for ln in lanes]) if job.is_active else {}
     rows = []
-    for ln in lanes:
-        r = ln["row"]
-        if r is None:
-            rows.append({"rank": ln["rank"], "node": "", "health": "unknown", "age": None, "hb_at": None})
-            continue
-        hb_at, phase, step, loss, step_time_s = (
-            ts(r.last_heartbeat_at),
-            r.phase,
-            r.last_step,
-            r.loss,
-            r.step_time_s,
-        )
-        st = fresh.get(r.rank)
-        if st is not None and (hb_at is None or st.at > hb_at):
-            hb_at, phase, step, loss, step_time_s = st.at, st.phase, st.step, st.loss, st.step_time_s
+    for f in figures.rank_figures(job, [ln["row"] or (ln["rank"], None) for ln in lanes], now):
         rows.append(
             {
-                "rank": r.rank,
-                "node": r.node,
-                "health": r.health_at(now) if job.is_active else "stopped",
-                "age": now.timestamp() - hb_at if hb_at else None,
-                "hb_at": hb_at,
-                "hb_ms": int(hb_at * 1000) if hb_at else None,
-                "phase": phase,
-                "step": step,
-                "loss": loss,
-                "step_time_s": step_time_s,
-                "pid": r.pid,
+                "rank": f.rank,
+                "node": f.node,
+                "health": "waiting" if f.health == figures.UNKNOWN else f.health,
+                "age": now.timestamp() - f.hb_at if f.hb_at else None,
+                "hb_at": f.hb_at,
+                "hb_ms": int(f.hb_at * 1000) if f.hb_at else None,
+                "phase": f.phase,
+                "step": f.step,
+                "loss": f.loss,
+                "step_time_s": f.step_time_s,
+                "pid": f.pid,
+                "why": _why_no_heartbeat(job) if f.health == figures.UNKNOWN else "",
             }
         )
     quarantined = list(QuarantinedHeartbeat.objects.filter(job=job).order_by("-at")[:QUARANTINE_SHOWN])
@@ -540,6 +532,11 @@ def ranks_part(job: Job, now: datetime) -> dict:
 QUARANTINE_SHOWN = 10
 
 
+def _why_no_heartbeat(job: Job) -> str:
+    why = "the job has not started training" if job.is_active else "it never reported"
+    return f"no heartbeat yet: {why}"
+
+
 SAMPLES_SHOWN = 20_000  # the newest samples (about 11 hours at one per 2 s); older ones are not drawn
 
 
@@ -547,10 +544,10 @@ def progress_part(job: Job, now: datetime) -> dict:
     samples = list(
         TrainingSample.objects.filter(job=job)
         .order_by("-at")
-        .values_list(Epoch("at"), "step", "loss", "tokens_per_s")[:SAMPLES_SHOWN]
+        .values_list(Epoch("at"), "step", "loss", "tokens_per_s", "step_time_s")[:SAMPLES_SHOWN]
     )
     samples.reverse()
-    points: list[tuple[float, int]] = [(t, step) for t, step, _, _ in samples]
+    points: list[tuple[float, int]] = [(t, step) for t, step, _, _, _ in samples]
     if job.first_step_at:
         points.append((job.first_step_at.timestamp(), 1))
     points += [(r[0], r[7]) for r in _checkpoint_rows(job)]
@@ -565,9 +562,10 @@ def progress_part(job: Job, now: datetime) -> dict:
         points.append((job.last_progress_at.timestamp(), job.last_step))
     points.sort()
     return {
-        "progress": charts.progress_figure(points),
-        "loss": charts.loss_figure([(t, loss, tps) for t, _, loss, tps in samples]),
+        "progress": charts.progress_figure(points, [(t, st) for t, _, _, _, st in samples]),
+        "loss": charts.loss_figure([(t, loss, tps) for t, _, loss, tps, _ in samples]),
         "has_samples": bool(samples),
+        "has_progress": bool(points),
     }
 
 
@@ -581,18 +579,7 @@ def audit_part(job: Job) -> dict:
 
 
 def log_part(job: Job) -> dict:
-    if job.backend != "local":
-        return {
-            "available": False,
-            "why": f"log tails are kept for local jobs; see the {job.backend} backend's logs",
-        }
-    try:
-        from controlplane.launchers.base import get_launcher
-
-        text = get_launcher(job.backend).log_tail(job, max_bytes=12000)
-    except Exception as e:  # the launcher is optional on this page: show why, never fail the page
-        return {"available": False, "why": f"log not available: {e}"}
-    if not text:
-        return {"available": False, "why": "no log yet (the job has not started writing one)"}
-    return {"available": True, "text": text}
-
+    tail = log_tail(job)
+    if tail.text is None:
+        return {"available": False, "why": tail.why}
+    return {"available": True, "text": tail.text}

@@ -21,6 +21,7 @@ from controlplane.dashboard.code import code_part
 from controlplane.dashboard.assets import PLOTLY_VERSION
 from controlplane.jobs.models import Job
 from controlplane.jobs.roles import is_operator
+from controlplane.jobs.versions import runtime_versions
 from trainer.wire import DrillFault, Layer
 
 JOBS_PER_PAGE = 25
@@ -71,7 +72,9 @@ def jobs_live(request):
 def part_context(name: str, job: Job, request, now) -> dict:
     """The context of one part of the job page (the page includes every part; fragments one)."""
     if name == "header":
-        return {"code": code_part(job)}
+        return {"code": code_part(job), "ran_with": runtime_versions(job)}
+    if name == "actions":
+        return {}
     if name == "timeline":
         follow = request.GET.get("follow", "1" if job.is_active else "0") == "1"
         start, end = _float(request.GET.get("start")), _float(request.GET.get("end"))

@@ -8,8 +8,7 @@ database connection (``CONN_MAX_AGE``) and calls the same ``views.handle`` as th
 checks, same answers). Host checking and middleware do not apply to this machine-facing route;
 authentication is the job token.
 
-Use: ``application = with_ingest(get_asgi_application())`` (this module's ``application`` does that
-for ``controlplane.asgi.application``).
+Use: ``application = with_ingest(get_asgi_application())``, as ``controlplane.asgi.application`` does.
 """
 
 from __future__ import annotations
@@ -94,12 +93,3 @@ def with_ingest(app):
 
     application.has_ingest_fast_path = True  # type: ignore[attr-defined]
     return application
-
-
-def _default():
-    from controlplane.asgi import django_application
-
-    return with_ingest(django_application)
-
-
-application = _default()

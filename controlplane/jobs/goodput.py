@@ -1,21 +1,27 @@
-"""Goodput: where a job's wall time went. One definition, shown on the job page.
+"""Goodput: where a job's wall time went. One definition, shown on the job page and the jobs list.
 
-Over wall time W (job start to now, or to its end) the parts are:
+Over wall time W (job start to now, or to its end) every instant belongs to exactly one part, taken
+in this order (an instant that two facts claim goes to the earlier part):
 
 - **startup**: job start (``started_at``, else ``created_at``) to the first completed step;
-- **recovery**: the union of restart cycles, each from its fault to the first step after it
-  (``first_step_at - fault_at``; an open cycle runs to now);
+- **recovery**: each restart cycle, from its fault to the first step after it (an open cycle runs to
+  the end of W);
 - **checkpoint blocking**: time the training loop waited on saves (``Checkpoint.blocking_s``; a sync
-  save without that figure counts its whole save), except saves that began inside a recovery;
-- **productive**: step time of the steps that count toward the final model (``job.last_step`` steps);
-- **lost work**: step time of steps recomputed after a rollback (``RestartCycle.lost_steps``; an open
-  cycle's loss is the steps since the last durable checkpoint);
-- **idle**: the rest (waiting with no step running, e.g. a stalled rank before anything noticed).
+  save without that figure blocked for all of it);
+- **lost work**: recomputing the steps a rollback threw away: from a cycle's first step until training
+  passes the step of the fault again (the first training sample at or past it, or the job's newest
+  progress, whichever is earlier), or to the end of W while it has not;
+- **idle**: time since the newest step progress the control plane knows of (``last_progress_at``:
+  a stall nobody has explained yet, the seconds not yet reported, the exit after the last step), or
+  since the start of a save still in flight (its blocked time is known when it ends);
+- **productive**: the rest: the loop making progress that counts.
 
-Heartbeats are not stored as history, so step time is estimated: the median of the ranks' latest
-``step_time_s``, capped by "training time / steps executed" (the cap is what it must be if the loop
-never idled). Without any measured step time, the loop is assumed never idle. Accepted trade-off:
-goodput is an estimate at the resolution of those facts, and it always adds up to W exactly.
+Every part is a union of intervals from stored facts with their own timestamps, so the parts add up
+to W exactly, idle is the same computation while the job runs and after it ended, and productive
+time never decreases: time counts as productive only once a step after it has been reported, and
+the facts that take time away from it (a fault, a save, a rollback) begin no earlier than the newest
+progress that was reported before them. A property test over generated event sequences holds the
+definition to that.
 
 ``compute_goodput`` returns shares of W under the part names (they add up to 1), the same parts in
 seconds under ``<part>_s``, ``wall_s`` and ``goodput`` (= the productive share).
@@ -23,19 +29,45 @@ seconds under ``<part>_s``, ``wall_s`` and ``goodput`` (= the productive share).
 
 from __future__ import annotations
 
-import bisect
-import statistics
-from datetime import datetime
+from dataclasses import dataclass
+from datetime import UTC, datetime
 
-from django.db.models import FloatField, Func, Max
+from django.db.models import FloatField, Func
 
 from trainer.wire import CheckpointMode, CheckpointState
 
 PARTS = ("productive", "checkpoint_blocking", "recovery", "lost_work", "startup", "idle")
 
 
-def _union_length(intervals: list[tuple[float, float]]) -> tuple[float, list[tuple[float, float]]]:
-    merged: list[tuple[float, float]] = []
+Interval = tuple[float, float]
+
+
+@dataclass(frozen=True, slots=True)
+class CycleFacts:
+    began: float  # the cycle's first mark (its fault, else detection, abort, restart)
+    first_step_at: float | None  # None: still recovering
+    lost_steps: int | None
+    reached_again_at: float | None  # when training passed the fault's step again (None: not yet / unknown)
+
+
+@dataclass(frozen=True, slots=True)
+class GoodputFacts:
+    """What goodput is computed from, as unix seconds: the loader below reads it from the database;
+    the property test generates it."""
+
+    start: float
+    end: float  # the job's end, or now
+    first_step: float | None
+    last_progress_at: float | None
+    cycles: tuple[CycleFacts, ...] = ()
+    saves: tuple[tuple[float, float], ...] = ()  # (started at, seconds the loop was blocked)
+    # The earliest save still in flight (its blocked time is reported when it ends): time after it is
+    # not yet known to be productive.
+    save_in_flight_since: float | None = None
+
+
+def _merge(intervals) -> list[Interval]:
+    merged: list[Interval] = []
     for a, b in sorted(intervals):
         if b <= a:
             continue
@@ -43,67 +75,119 @@ def _union_length(intervals: list[tuple[float, float]]) -> tuple[float, list[tup
             merged[-1] = (merged[-1][0], max(merged[-1][1], b))
         else:
             merged.append((a, b))
-    return sum(b - a for a, b in merged), merged
+    return merged
 
 
-def compute_goodput(job, now: datetime) -> dict[str, float]:
-    start_dt = job.started_at or job.created_at
-    end_dt = job.finished_at or now
-    start = start_dt.timestamp()
-    end = max(start, end_dt.timestamp())
+def _minus(intervals: list[Interval], taken: list[Interval]) -> list[Interval]:
+    """``intervals`` (merged) without what ``taken`` (merged) covers."""
+    out: list[Interval] = []
+    for a, b in intervals:
+        cur = a
+        for x, y in taken:
+            if y <= cur or x >= b:
+                continue
+            if x > cur:
+                out.append((cur, x))
+            cur = max(cur, y)
+            if cur >= b:
+                break
+        if cur < b:
+            out.append((cur, b))
+    return out
+
+
+def _length(intervals: list[Interval]) -> float:
+    return sum(b - a for a, b in intervals)
+
+
+def goodput_from_facts(f: GoodputFacts) -> dict[str, float]:
+    start, end = f.start, max(f.start, f.end)
     wall = end - start
     seconds = dict.fromkeys(PARTS, 0.0)
     if wall <= 0:
         return _result(seconds, wall)
-
-    first_step = job.first_step_at.timestamp() if job.first_step_at else None
-    train_from = min(max(first_step, start), end) if first_step is not None else end
+    train_from = min(max(f.first_step, start), end) if f.first_step is not None else end
     seconds["startup"] = train_from - start
 
-    cycles = job.cycles.values_list(
-        Epoch("fault_at"),
-        Epoch("detected_at"),
-        Epoch("aborted_at"),
-        Epoch("restarted_at"),
-        Epoch("first_step_at"),
-        "step_at_fault",
-        "resumed_from_step",
+    def clip(a: float, b: float) -> Interval:
+        return (max(a, train_from), min(b, end))
+
+    taken: list[Interval] = []
+    parts = (
+        ("recovery", [clip(c.began, c.first_step_at if c.first_step_at is not None else end)
+                      for c in f.cycles]),
+        ("checkpoint_blocking", [clip(t, t + max(0.0, b)) for t, b in f.saves]),
+        ("lost_work", [clip(c.first_step_at, c.reached_again_at if c.reached_again_at is not None else end)
+                       for c in f.cycles if c.first_step_at is not None and (c.lost_steps or 0) > 0]),
+        ("idle", [clip(min(f.last_progress_at if f.last_progress_at is not None else train_from,
+                           f.save_in_flight_since if f.save_in_flight_since is not None else end), end)]),
     )
-    intervals = []
-    lost_steps = 0
-    for fault_at, detected_at, aborted_at, restarted_at, first_at, step_at_fault, resumed_from in cycles:
+    for name, intervals in parts:
+        mine = _minus(_merge(intervals), taken)
+        seconds[name] = _length(mine)
+        taken = _merge(taken + mine)
+    seconds["productive"] = max(0.0, wall - sum(seconds[k] for k in PARTS if k != "productive"))
+    return _result(seconds, wall)
+
+
+def compute_goodput(job, now: datetime) -> dict[str, float]:
+    return goodput_from_facts(goodput_facts(job, now))
+
+
+def goodput_facts(job, now: datetime) -> GoodputFacts:
+    """The job's goodput facts from its rows: cycles, saves, progress and (for each rollback) the first
+    training sample past the fault's step."""
+    from controlplane.jobs.models import steps_lost
+
+    start = (job.started_at or job.created_at).timestamp()
+    end = (job.finished_at or now).timestamp()
+    progress = job.last_progress_at.timestamp() if job.last_progress_at else None
+    cycles = []
+    for fault_at, detected_at, aborted_at, restarted_at, first_at, step_at_fault, resumed_from in \
+            job.cycles.values_list(Epoch("fault_at"), Epoch("detected_at"), Epoch("aborted_at"),
+                                   Epoch("restarted_at"), Epoch("first_step_at"), "step_at_fault",
+                                   "resumed_from_step"):
         began = next((t for t in (fault_at, detected_at, aborted_at, restarted_at) if t is not None), None)
         if began is None:
             continue
-        intervals.append((max(began, train_from), min(first_at if first_at is not None else end, end)))
-        if step_at_fault is not None:
-            if resumed_from is not None:
-                lost_steps += max(0, step_at_fault - resumed_from)
-            else:  # still recovering: it resumes from the newest durable checkpoint at or before the fault
-                durable = job.checkpoints.filter(state=CheckpointState.DURABLE, step__lte=step_at_fault)
-                lost_steps += max(0, step_at_fault - (durable.aggregate(m=Max("step"))["m"] or 0))
-    seconds["recovery"], merged = _union_length(intervals)
-    seconds["checkpoint_blocking"] = _blocking(job, train_from, end, merged)
+        lost = steps_lost(step_at_fault, resumed_from)
+        reached = None
+        if first_at is not None and lost:
+            bounds = [progress] if progress is not None and progress > first_at else []
+            sample = (job.samples.filter(at__gt=_utc(first_at), step__gte=step_at_fault).order_by("at")
+                      .values_list(Epoch("at"), flat=True).first())
+            if sample is not None:
+                bounds.append(sample)
+            reached = min(bounds) if bounds else None
+        cycles.append(CycleFacts(began=began, first_step_at=first_at, lost_steps=lost,
+                                 reached_again_at=reached))
+    saves = []
+    in_flight = []
+    newest_cycle = max((c.began for c in cycles), default=None)
+    for t, finished, blocking_s, mode, state in job.checkpoints.values_list(
+        Epoch("started_at"), Epoch("finished_at"), "blocking_s", "mode", "state"
+    ):
+        if state == CheckpointState.IN_FLIGHT and (newest_cycle is None or t >= newest_cycle):
+            in_flight.append(t)  # one begun before the newest fault was cut short by it
+        if state == CheckpointState.ABANDONED:
+            continue  # cut short by a fault: what it blocked before the fault counts as training
+        if blocking_s is None and mode == CheckpointMode.SYNC and finished is not None:
+            blocking_s = finished - t  # a sync save that did not report its blocked time: all of it
+        if blocking_s:
+            saves.append((t, blocking_s))
+    return GoodputFacts(
+        start=start,
+        end=end,
+        first_step=job.first_step_at.timestamp() if job.first_step_at else None,
+        last_progress_at=progress,
+        cycles=tuple(cycles),
+        saves=tuple(saves),
+        save_in_flight_since=min(in_flight, default=None),
+    )
 
-    # Inconsistent facts (overlaps we do not model) must not push the parts past W.
-    overhead = seconds["startup"] + seconds["recovery"] + seconds["checkpoint_blocking"]
-    if overhead > wall:
-        scale = wall / overhead
-        for k in ("startup", "recovery", "checkpoint_blocking"):
-            seconds[k] *= scale
-        overhead = wall
-    training = wall - overhead
 
-    counted = max(0, job.last_step or 0)
-    executed = counted + lost_steps
-    if executed > 0 and training > 0:
-        fit = training / executed
-        measured = [s for s in job.ranks.values_list("step_time_s", flat=True) if s and s > 0]
-        step_s = min(statistics.median(measured), fit) if measured else fit
-        seconds["productive"] = counted * step_s
-        seconds["lost_work"] = lost_steps * step_s
-    seconds["idle"] = max(0.0, training - seconds["productive"] - seconds["lost_work"])
-    return _result(seconds, wall)
+def _utc(t: float) -> datetime:
+    return datetime.fromtimestamp(t, tz=UTC)
 
 
 class Epoch(Func):
@@ -125,26 +209,6 @@ class Epoch(Func):
 
     def as_mysql(self, compiler, connection, **extra):
         return self.as_sql(compiler, connection, template="UNIX_TIMESTAMP(%(expressions)s)", **extra)
-
-
-def _blocking(job, train_from: float, end: float, recoveries: list[tuple[float, float]]) -> float:
-    """Seconds the loop waited on saves begun in [train_from, end) outside recoveries."""
-    starts = [a for a, _ in recoveries]
-    total = 0.0
-    for t, finished, blocking_s, mode in job.checkpoints.values_list(
-        Epoch("started_at"), Epoch("finished_at"), "blocking_s", "mode"
-    ):
-        if t < train_from or t >= end:
-            continue
-        i = bisect.bisect_right(starts, t) - 1
-        if i >= 0 and t < recoveries[i][1]:
-            continue  # a save begun inside a recovery is part of that recovery
-        if blocking_s is None and mode == CheckpointMode.SYNC and finished is not None:
-            blocking_s = (
-                finished - t
-            )  # a sync save that did not report its blocked time blocked for all of it
-        total += min(max(0.0, blocking_s or 0.0), end - t)
-    return total
 
 
 def _result(seconds: dict[str, float], wall: float) -> dict[str, float]:

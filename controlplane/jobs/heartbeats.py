@@ -6,17 +6,17 @@ Two stores with one interface (``record``, ``flush``, ``overdue``, ``freshest``,
   transaction. Rank rows are always current.
 - ``RedisHeartbeatStore`` (``REDIS_URL`` set): one Lua call per batch keeps, per job, the newest ``at``
   and state (the beat as JSON) by rank in two hashes, the job's progress (max step, first train beat),
-  a global deadline ZSET and a dirty set. ``flush()`` (a Celery task the watchdog schedules every
-  ``HEARTBEAT_FLUSH_INTERVAL_S``) upserts the dirty ranks' rows and the jobs' progress. The watchdog
-  reads the deadline ZSET, so lost-rank detection does not wait for a flush.
+  a global deadline ZSET and a dirty set. ``flush()`` (a Celery task the beat schedule runs every
+  ``HEARTBEAT_FLUSH_INTERVAL_S``; the one writer of rows from Redis) upserts the dirty ranks' rows and the
+  jobs' progress. The watchdog reads the deadline ZSET, so lost-rank detection does not wait for a flush.
 
 Accepted trade-offs (Redis store):
 
 - ``Rank`` rows and ``Job.last_step/max_step/last_progress_at`` (so the dashboard and stall detection)
   lag Redis by up to one flush interval plus the flush's duration (5 s by default; a 100,000-rank
   flush is ~1 s of CPU, paced to half duty, so ~2 s of wall time, longer under heavy load).
-  Heartbeat-lost detection does not lag: the watchdog reads deadlines from Redis and writes a rank's
-  freshest state before it claims it.
+  Heartbeat-lost detection does not lag: the watchdog reads deadlines from Redis and judges a rank by
+  its freshest state (``jobs.health``, which the dashboard reads too) before it claims it.
 - ``Rank.step_changed_at`` is exact to one flush interval (the flush sees the step change, not the beat
   that made it); stall timeouts are minutes.
 - Redis runs without persistence in the reference set-up. If it restarts empty, the flushed rows remain
@@ -36,6 +36,7 @@ dirty; every other job keeps flushing, and the flush never raises out of its loo
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -47,6 +48,7 @@ import orjson
 from django.conf import settings
 from django.db import connection, transaction
 
+from controlplane.jobs.spec import JobSpec
 from trainer import wire
 from trainer.wire import Heartbeat, Phase
 
@@ -56,6 +58,7 @@ _STOPPED = Phase.STOPPED.value
 _TRAIN = Phase.TRAIN.value
 _SLOW_PHASES = frozenset(p.value for p in wire.SLOW_PHASES)
 _SLOW_OR_STOPPED = _SLOW_PHASES | {_STOPPED}
+_SPEC_DEFAULTS = {f.name: f.default for f in dataclasses.fields(JobSpec)}
 
 
 def utc(ts: float) -> datetime:
@@ -72,9 +75,11 @@ class Timeouts:
 
     @classmethod
     def of(cls, spec: dict) -> Timeouts:
-        return cls(step_s=float(spec.get("step_timeout_s", 30.0)),
-                   checkpoint_s=float(spec.get("checkpoint_timeout_s", 300.0)),
-                   stall_s=float(spec.get("stall_timeout_s", 120.0)))
+        # The defaults are JobSpec's (one definition); the stored dict is read as is (no parse per batch).
+        d = _SPEC_DEFAULTS
+        return cls(step_s=float(spec.get("step_timeout_s", d["step_timeout_s"])),
+                   checkpoint_s=float(spec.get("checkpoint_timeout_s", d["checkpoint_timeout_s"])),
+                   stall_s=float(spec.get("stall_timeout_s", d["stall_timeout_s"])))
 
     def deadline(self, phase: str, at: float) -> float | None:
         """A rank's deadline in unix seconds: ``wire.SLOW_PHASES`` get the checkpoint timeout; a stopped
@@ -516,7 +521,6 @@ class RedisHeartbeatStore:
         self.DIRTY = f"{prefix}:dirty"
         self.FLUSHING = f"{prefix}:flushing"
         self.FLUSH_LOCK = f"{prefix}:flush-lock"
-        self.FLUSH_DUE = f"{prefix}:flush-due"
         self._record = self.redis.register_script(_RECORD_LUA)
         self._take = self.redis.register_script(_TAKE_DIRTY_LUA)
         self._forget = self.redis.register_script(_FORGET_LUA)

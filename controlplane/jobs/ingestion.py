@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import logging
 import math
-import time
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -215,27 +214,43 @@ def _record(job: Job, beats: list[dict], events: list[Any], source: str, *, now:
 
 
 SAMPLE_INTERVAL_S = 2.0
-_last_sample: dict[int, float] = {}  # job id -> monotonic time of this process's last sample
+_last_sample: dict[int, float] = {}  # job id -> beat time of this process's last sample (a cheap pre-check)
 sample_failures = 0  # training samples this process could not store (logged each time)
 
 
 def _maybe_sample(job: Job, beats: list[dict], now: datetime) -> None:
-    """Keep one heartbeat (the lowest rank's) every SAMPLE_INTERVAL_S per job and process, for the
-    loss and throughput charts. Best effort: runs after the batch is stored and never raises, so it
-    can neither fail the batch nor turn a stored batch into an error."""
+    """Keep one heartbeat (the lowest rank's) every SAMPLE_INTERVAL_S of beat time per job, across every
+    web process: the job row's lock orders the processes, and a sample is written only when the job has
+    none within the interval. Samples are placed by the trainer's clock (the beat's ``at``), not arrival,
+    and every beat of the batch is a candidate: beats replayed late from a trainer's spool fill the
+    places of when they happened. Best effort: runs after the batch is stored and never raises, so it can
+    neither fail the batch nor turn a stored batch into an error."""
     global sample_failures
     try:
-        t = time.monotonic()
-        if t - _last_sample.get(job.pk, -1e9) < SAMPLE_INTERVAL_S:
+        train = sorted((b for b in beats if b["phase"] == Phase.TRAIN), key=lambda b: (b["rank"], b["at"]))
+        if not train:
             return
-        b = min(beats, key=lambda b: b["rank"])
-        if b["phase"] != Phase.TRAIN:
+        last = _last_sample.get(job.pk, -1e18)
+        low = train[0]["rank"]
+        picks = [b for b in train if b["rank"] == low and abs(b["at"] - last) >= SAMPLE_INTERVAL_S]
+        if not picks:
             return
-        _last_sample[job.pk] = t
         with transaction.atomic():  # a savepoint inside a caller's transaction: a failure leaves it usable
-            TrainingSample.objects.create(job_id=job.pk, at=hb_store.utc(b["at"]), rank=b["rank"],
-                                          step=b["step"], loss=b.get("loss"), step_time_s=b.get("step_time_s"),
-                                          tokens_per_s=b.get("tokens_per_s"))
+            list(Job.objects.select_for_update().filter(pk=job.pk).values_list("pk"))
+            lo, hi = picks[0]["at"] - SAMPLE_INTERVAL_S, picks[-1]["at"] + SAMPLE_INTERVAL_S
+            taken = [t.timestamp() for t in TrainingSample.objects.filter(
+                job_id=job.pk, at__gt=hb_store.utc(lo), at__lt=hb_store.utc(hi)).values_list("at", flat=True)]
+            rows = []
+            for b in picks:
+                if any(abs(b["at"] - t) < SAMPLE_INTERVAL_S for t in taken):
+                    continue
+                taken.append(b["at"])
+                rows.append(TrainingSample(job_id=job.pk, at=hb_store.utc(b["at"]), rank=b["rank"],
+                                           step=b["step"], loss=b.get("loss"),
+                                           step_time_s=b.get("step_time_s"),
+                                           tokens_per_s=b.get("tokens_per_s")))
+            _last_sample[job.pk] = max(last, picks[-1]["at"])
+            TrainingSample.objects.bulk_create(rows)
     except Exception:  # noqa: BLE001 - a chart point is not worth an error answer
         sample_failures += 1
         log.warning("could not store a training sample for job %s (%d so far)", job.pk, sample_failures,
@@ -355,7 +370,8 @@ def _cycle_status(job: Job, touched: dict[str, RestartCycle], now: datetime) -> 
         c = max(opened, key=lambda c: c.start_at)
         superseded = RestartCycle.objects.filter(job=job, first_step_at__gt=c.start_at).exists()
         if not superseded:
-            set_status(job, JobStatus.RECOVERING, f"restart cycle {c.key} ({c.layer})",
+            why = f" after {c.reason}" if c.reason else ""
+            set_status(job, JobStatus.RECOVERING, f"recovering: {c.title}{why}"[:500],
                        only_from=(JobStatus.RUNNING,))
     if closed:
         c = max(closed, key=lambda c: c.first_step_at)
@@ -365,12 +381,14 @@ def _cycle_status(job: Job, touched: dict[str, RestartCycle], now: datetime) -> 
             | Q(fault_at__isnull=True, detected_at__isnull=True, aborted_at__gt=c.first_step_at)
             | Q(fault_at__isnull=True, detected_at__isnull=True, aborted_at__isnull=True,
                 restarted_at__gt=c.first_step_at)).exists()
-        if not still_open and set_status(job, JobStatus.RUNNING, f"recovered ({c.key}, {c.layer})",
+        took = f" in {c.recovery_s:.1f} s" if c.recovery_s is not None else ""
+        article = "an" if c.title[0] in "aeiou" else "a"
+        if not still_open and set_status(job, JobStatus.RUNNING, f"recovered by {article} {c.title}{took}",
                                          only_from=(JobStatus.RECOVERING,)):
             recovery = f" in {c.recovery_s:.1f} s" if c.recovery_s is not None else ""
             notifications.enqueue(job, Notification.Transition.RECOVERED, f"recovered:{c.key}",
                                   f"Job #{job.pk} {job.name} recovered{recovery} "
-                                  f"({c.layer} restart {c.key}); training continues.", now=now)
+                                  f"({c.title}); training continues.", now=now)
 
 
 def _close_escalated(job: Job, recovered: RestartCycle) -> None:

@@ -36,6 +36,9 @@ class JobStatus(models.TextChoices):
     STOPPED = "stopped"
 
 
+# How people call the restart layers (reasons, hovers, tables).
+LAYER_WORDS = {"in_process": "in-process", "in_job": "in-job", "job": "whole job", "none": "none (stopped)"}
+
 ACTIVE_STATUSES = (JobStatus.PENDING, JobStatus.LAUNCHING, JobStatus.RUNNING, JobStatus.RECOVERING)
 FINAL_STATUSES = (JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.STOPPED)
 
@@ -99,6 +102,10 @@ class Job(models.Model):
 
     def token_matches(self, token: str) -> bool:
         return hmac.compare_digest(self.token_hash, hash_token(token))
+
+    def rank_nodes(self) -> dict[int, str]:
+        """rank -> the node its heartbeats named (ranks that named none are left out)."""
+        return dict(self.ranks.exclude(node="").values_list("rank", "node"))
 
     def goodput(self, now: datetime | None = None) -> dict[str, float]:
         from controlplane.jobs.goodput import compute_goodput
@@ -241,6 +248,13 @@ class RestartCycle(models.Model):
         return self.fault_at or self.detected_at or self.aborted_at or self.restarted_at
 
     @property
+    def title(self) -> str:
+        """The cycle in words ("in-job restart"); its key (``a0-ij1``) is an internal id."""
+        if self.layer == Layer.NONE:
+            return "restart (layer not known yet)"
+        return f"{LAYER_WORDS.get(self.layer, self.layer)} restart"
+
+    @property
     def recovery_s(self) -> float | None:
         if self.first_step_at and self.start_at:
             return max(0.0, (self.first_step_at - self.start_at).total_seconds())
@@ -254,9 +268,7 @@ class RestartCycle(models.Model):
 
     @property
     def lost_steps(self) -> int | None:
-        if self.step_at_fault is not None and self.resumed_from_step is not None:
-            return max(0, self.step_at_fault - self.resumed_from_step)
-        return None
+        return steps_lost(self.step_at_fault, self.resumed_from_step)
 
     def durations(self) -> dict[str, float | None]:
         """Seconds spent in each phase of the cycle: detect, abort, restart, reload, first step."""
@@ -267,6 +279,13 @@ class RestartCycle(models.Model):
         for name, a, b in zip(names, marks, marks[1:], strict=False):
             out[name] = max(0.0, (b - a).total_seconds()) if a and b else None
         return out
+
+
+def steps_lost(step_at_fault: int | None, resumed_from_step: int | None) -> int | None:
+    """Steps a recovery threw away: the one definition (cycles, faults, goodput and the API read it)."""
+    if step_at_fault is not None and resumed_from_step is not None:
+        return max(0, step_at_fault - resumed_from_step)
+    return None
 
 
 class Fault(models.Model):

@@ -12,6 +12,7 @@ from django.contrib.auth.models import AbstractBaseUser
 from django.db import transaction
 from django.utils import timezone
 
+from controlplane.jobs import launcher_port
 from controlplane.jobs.models import (
     AuditEntry,
     Command,
@@ -49,7 +50,8 @@ def set_status(job: Job, status: str, reason: str = "", *, only_from: tuple[str,
     if status in (JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.STOPPED):
         fields["finished_at"] = now
     changed = qs.exclude(status=status).update(**fields) == 1
-    if changed:
+    if changed:  # the conditional UPDATE makes this the one writer of the change: it logs it, once
+        log.info("job %s %s%s", job.pk, status, f": {reason}" if reason else "")
         for k, v in fields.items():
             setattr(job, k, v)
     return changed
@@ -71,10 +73,8 @@ def create_job(*, name: str, spec: JobSpec, created_by: AbstractBaseUser | None,
 
 
 def _enqueue_launch(job: Job) -> None:
-    from controlplane.launchers import tasks
-
     set_status(job, JobStatus.LAUNCHING, "waiting for the launcher")
-    transaction.on_commit(lambda: tasks.launch.delay(job.pk))
+    launcher_port.request("launch", job_id=job.pk)
 
 
 def _trainer_command(*, job: Job, kind: str, actor, remote_addr, level: str = "", fault: str = "",
@@ -104,7 +104,6 @@ def restart_job(*, job: Job, level: str, requested_by, rank: int | None = None,
                                 actor=requested_by, remote_addr=remote_addr)
     if level != Layer.JOB:
         raise ActionError(f"unknown restart level {level!r}: use in_process, in_job or job")
-    from controlplane.launchers import tasks
 
     with transaction.atomic():
         job = Job.objects.select_for_update().get(pk=job.pk)
@@ -114,7 +113,7 @@ def restart_job(*, job: Job, level: str, requested_by, rank: int | None = None,
                                      issued_by=requested_by if requested_by and requested_by.is_authenticated else None)
         record_audit(actor=requested_by, action="job.restart", job=job, remote_addr=remote_addr,
                      detail={"command": cmd.pk, "level": Layer.JOB})
-        transaction.on_commit(lambda: tasks.restart.delay(job.pk, cmd.pk))
+        launcher_port.request("restart", job_id=job.pk, command_id=cmd.pk)
     return cmd
 
 
@@ -125,15 +124,14 @@ def inject_fault(*, job: Job, fault: str, rank: int, requested_by, remote_addr: 
                             actor=requested_by, remote_addr=remote_addr)
 
 
-def stop_job(*, job: Job, requested_by, remote_addr: str | None = None, grace_s: float = 30.0) -> Command:
+def stop_job(*, job: Job, requested_by, remote_addr: str | None = None,
+             grace_s: float = launcher_port.TRAINER_STOP_GRACE_S) -> Command:
     """Graceful stop: the trainer saves a final checkpoint and exits; the launcher ends what is left
     after ``grace_s``."""
-    from controlplane.launchers import tasks
-
     if not job.is_active:
         raise ActionError(f"job #{job.pk} is already {job.status}")
     cmd = _trainer_command(job=job, kind=CommandKind.STOP, actor=requested_by, remote_addr=remote_addr)
-    transaction.on_commit(lambda: tasks.stop.apply_async((job.pk, cmd.pk), countdown=grace_s))
+    launcher_port.request("stop", job_id=job.pk, command_id=cmd.pk, countdown=grace_s)
     return cmd
 
 

@@ -17,18 +17,20 @@ from django.db.models.functions import Coalesce
 from django.utils import timezone
 
 from controlplane.jobs import heartbeats as hb_store
-from controlplane.jobs import notifications
+from controlplane.jobs import health, launcher_port, notifications
 from controlplane.jobs.models import (
     ACTIVE_STATUSES,
+    Command,
     Fault,
     Job,
     JobStatus,
     Notification,
     Rank,
+    RankHealth,
     RestartCycle,
 )
 from controlplane.jobs.services import set_status
-from trainer.wire import FaultClass
+from trainer.wire import CommandKind, FaultClass
 
 log = logging.getLogger(__name__)
 _CHUNK = 900  # ranks per claim statement (SQLite's variable limit is far above; keeps statements short)
@@ -77,11 +79,11 @@ def mark_overdue(now: datetime | None = None, *, store: hb_store.HeartbeatStore 
        database rows (``Rank.objects.overdue``: covers the database store, and with Redis, a Redis
        that restarted empty or a fallback to the database; then a grace of two flush intervals
        applies, so such a loss is found up to ``backstop_grace_s`` late).
-    2. Per job, write the store's freshest state of the candidates into their rows (only forward in
-       time), so a rank that beat after the last flush is not claimed.
+    2. Per job, judge each candidate by ``health.rank_health`` (its row with the store's freshest beat),
+       so a rank that beat after the last flush is not claimed. The watchdog writes no heartbeat rows.
     3. Claim ``lost_at`` with a conditional UPDATE; insert one fault per claimed rank (``source_key`` =
        rank + deadline); both in one transaction.
-    4. After the commit, drop the handled entries from the store's index (only if unchanged since read).
+    4. After the commit, drop the settled entries from the store's index (only if unchanged since read).
     Returns the number of ranks this call marked lost.
     """
     now = now or timezone.now()
@@ -89,8 +91,10 @@ def mark_overdue(now: datetime | None = None, *, store: hb_store.HeartbeatStore 
     try:
         indexed = store.overdue(now)
     except Exception as e:  # noqa: BLE001 - a Redis outage: the database scan below still works
-        log.warning("watchdog: heartbeat store unavailable (%s); using the database only", e)
+        _store_state(down=True, why=str(e))
         indexed = []
+    else:
+        _store_state(down=False)
     by_job: dict[int, set[int]] = {}
     for j, r, _ in indexed:
         by_job.setdefault(j, set()).add(r)
@@ -102,7 +106,7 @@ def mark_overdue(now: datetime | None = None, *, store: hb_store.HeartbeatStore 
     if not by_job:
         return 0
     jobs = {j.pk: j for j in Job.objects.filter(pk__in=list(by_job))}
-    handled: set[int] = set()
+    settled: set[tuple[int, int]] = set()
     n = 0
     for job_id in sorted(by_job):
         job = jobs.get(job_id)
@@ -113,11 +117,12 @@ def mark_overdue(now: datetime | None = None, *, store: hb_store.HeartbeatStore 
                 log.warning("watchdog: could not drop heartbeat state of job %s", job_id, exc_info=True)
             continue
         try:
-            n += _mark_job_lost(job, sorted(by_job[job_id]), now, store)
-            handled.add(job_id)
+            claimed, done = _mark_job_lost(job, sorted(by_job[job_id]), now, store)
+            n += claimed
+            settled |= {(job_id, r) for r in done}
         except Exception:  # one job's failure must not stop the others' detection
             log.exception("watchdog: marking lost ranks of job %s failed", job_id)
-    entries = [e for e in indexed if e[0] in handled]
+    entries = [e for e in indexed if (e[0], e[1]) in settled]
     if entries:
         try:
             store.forget(entries)
@@ -126,31 +131,58 @@ def mark_overdue(now: datetime | None = None, *, store: hb_store.HeartbeatStore 
     return n
 
 
-def _mark_job_lost(job: Job, ranks: list[int], now: datetime, store: hb_store.HeartbeatStore) -> int:
+_store_down = False  # this process's view of the heartbeat store, so an outage logs once, not every pass
+
+
+def _store_state(*, down: bool, why: str = "") -> None:
+    global _store_down
+    if down and not _store_down:
+        log.warning("watchdog: heartbeat store unavailable (%s); using the database until it is back", why)
+    elif not down and _store_down:
+        log.warning("watchdog: heartbeat store is back")
+    _store_down = down
+
+
+def _mark_job_lost(job: Job, ranks: list[int], now: datetime,
+                   store: hb_store.HeartbeatStore) -> tuple[int, set[int]]:
+    """Record a fault for, and claim, the ranks that ``health.rank_health`` finds lost (by the store's
+    freshest beat: the rows are the flush's to write, never the watchdog's). Returns (faults recorded,
+    ranks settled). A lost rank whose row the flush has not written yet gets its fault now (its
+    ``source_key`` is rank + deadline, so it is recorded once) and stays unsettled: its index entry is
+    kept, and a later pass claims the row once the flush has written it."""
     try:
         fresh = store.freshest(job.pk, ranks)
     except Exception as e:  # noqa: BLE001 - Redis down: judge by the rows (heartbeats fall back to them)
         log.warning("watchdog: heartbeat store unavailable for job %s (%s); using the rows", job.pk, e)
         fresh = {}
     timeouts = hb_store.Timeouts.of(job.spec)
+    rows = {r.rank: r for r in Rank.objects.filter(job=job, rank__in=ranks)}
+    views = {r: health.current(rows.get(r) or Rank(job=job, rank=r), fresh.get(r), timeouts, now)
+             for r in ranks}
+    lost = sorted(r for r, v in views.items() if v.lost_at is None and v.health_at(now) == RankHealth.LOST)
+    if not lost:
+        return 0, set(ranks)
     with transaction.atomic():
-        if fresh:
-            hb_store.upsert_ranks(job.pk, fresh.values(), timeouts, now=now)
-        claimed = _claim("lost_at", job.pk, ranks, now, "lost_at IS NULL AND stale_at < %s")
-        if not claimed:
-            return 0
-        rows = []
-        for r in Rank.objects.filter(job=job, rank__in=claimed):
+        # The row's own deadline must have passed too: a flush that wrote a newer beat meanwhile wins.
+        claimed = set(_claim("lost_at", job.pk, lost, now, "lost_at IS NULL AND stale_at < %s"))
+        faults = {}
+        for rank in lost:
+            r = views[rank]
             age = (now - r.last_heartbeat_at).total_seconds() if r.last_heartbeat_at else 0.0
-            rows.append(Fault(
-                job=job, fault_class=FaultClass.HEARTBEAT_LOST, rank=r.rank, node=r.node, detected_by="watchdog",
-                message=f"no heartbeat from rank {r.rank} for {age:.1f} s (phase {r.phase}, "
+            key = f"heartbeat_lost:{rank}:{int(r.stale_at.timestamp() * 1000) if r.stale_at else 0}"
+            faults[key] = Fault(
+                job=job, fault_class=FaultClass.HEARTBEAT_LOST, rank=rank, node=r.node,
+                detected_by="watchdog",
+                message=f"no heartbeat from rank {rank} for {age:.1f} s (phase {r.phase}, "
                         f"deadline {r.stale_at.isoformat() if r.stale_at else '-'})",
-                at=r.last_heartbeat_at or now, detected_at=now,
-                source_key=f"heartbeat_lost:{r.rank}:{int(r.stale_at.timestamp() * 1000) if r.stale_at else 0}"))
-        Fault.objects.bulk_create(rows, ignore_conflicts=True)
-    log.warning("job %s: %d rank(s) lost (first: %s)", job.pk, len(claimed), sorted(claimed)[:5])
-    return len(claimed)
+                at=r.last_heartbeat_at or now, detected_at=now, source_key=key)
+        known = set(Fault.objects.filter(job=job, source_key__in=list(faults))
+                    .values_list("source_key", flat=True))
+        new = [f for k, f in faults.items() if k not in known]
+        Fault.objects.bulk_create(new, ignore_conflicts=True)
+    if new:
+        log.warning("job %s: %d rank(s) lost (first: %s)", job.pk, len(new), sorted(f.rank for f in new)[:5])
+    return len(new), (set(ranks) - set(lost)) | claimed
 
 
 def mark_stalled(now: datetime | None = None) -> int:
@@ -194,7 +226,7 @@ def _mark_job_stalled(job_id: int, ranks: list[int], now: datetime) -> int:
         notifications.enqueue(
             job, Notification.Transition.STALLED, f"stalled:{progress:.3f}",
             f"Job #{job.pk} {job.name} is stalled: {len(claimed)} rank(s) alive but stuck at step {step} "
-            f"for over {float(job.spec.get('stall_timeout_s', 120.0)):.0f} s.", now=now)
+            f"for over {job.job_spec.stall_timeout_s:.0f} s.", now=now)
     return len(claimed)
 
 
@@ -220,7 +252,7 @@ def stop_storms(now: datetime | None = None) -> int:
 
 def _stop_storm(job_id: int, count: int, now: datetime) -> int:
     job = Job.objects.get(pk=job_id)
-    limit = int(job.spec.get("storm_restarts", 5))
+    limit = job.job_spec.storm_restarts
     if count < limit:
         return 0
     reason = (f"restart storm: {count} restarts without step progress past step {job.max_step} "
@@ -230,22 +262,17 @@ def _stop_storm(job_id: int, count: int, now: datetime) -> int:
             return 0
         notifications.enqueue(job, Notification.Transition.STORM, "storm",
                               f"Job #{job.pk} {job.name} stopped: {reason}.", now=now)
-        transaction.on_commit(lambda job_id=job.pk: request_stop(job_id))
+        request_stop(job.pk, reason=reason)
     log.error("job %s: %s", job.pk, reason)
     return 1
 
 
-def request_stop(job_id: int) -> None:
-    """Ask the launcher to end the job's processes (its task; guarded until the launcher app has it)."""
-    try:
-        from controlplane.launchers.tasks import stop
-    except ImportError:
-        log.error("job %s: cannot ask the launcher to stop it (controlplane.launchers.tasks.stop missing)", job_id)
-        return
-    try:
-        stop.delay(job_id, None)
-    except Exception:  # noqa: BLE001 - the broker is down; the launcher's supervise pass sees a FAILED job
-        log.exception("job %s: could not enqueue the launcher stop", job_id)
+def request_stop(job_id: int, *, reason: str) -> None:
+    """Ask the launcher to end the job's processes: a stop command row (its outbox, carried out even if the
+    nudge is lost) written in the caller's transaction, and a nudge once it commits."""
+    cmd = Command.objects.create(job_id=job_id, kind=CommandKind.STOP, via_trainer=False,
+                                 detail=reason[:2000])
+    launcher_port.request("stop", job_id=job_id, command_id=cmd.pk)
 
 
 __all__ = ["ACTIVE_STATUSES", "WatchdogResult", "mark_overdue", "mark_stalled", "request_stop", "run_watchdog",

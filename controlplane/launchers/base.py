@@ -67,15 +67,3 @@ class Launcher(Protocol):
 
     def log_tail(self, job: Job, *, max_bytes: int = 16384) -> str:
         ...
-
-
-def get_launcher(backend: str) -> Launcher:
-    if backend == "local":
-        from controlplane.launchers.local import LocalLauncher
-
-        return LocalLauncher()
-    if backend == "kubernetes":
-        from controlplane.launchers.kubernetes import KubernetesLauncher
-
-        return KubernetesLauncher.from_settings()
-    raise LaunchError(f"unknown backend {backend!r}: use local or kubernetes")

@@ -7,17 +7,11 @@ Pure functions: same spec in, same argv out. ``launch_args`` is what ``python -m
 
 from __future__ import annotations
 
-import re
-
 from controlplane.jobs.spec import JobSpec
+from trainer import nvrx_compat
 
 TRAINER_LAUNCH = ("python", "-m", "trainer.launch")
 RDZV_PORT = 29500
-# The oldest NVRx the trainer runs with (pyproject: nvidia-resiliency-ext>=0.4.1), and the release
-# that deprecated in-process restart (inprocess.Wrapper) and removed --ft-restart-policy=min-healthy.
-NVRX_MIN = (0, 4, 1)
-NVRX_INPROCESS_DEPRECATED = (0, 6, 0)
-_VERSION = re.compile(r"^v?(\d+)\.(\d+)(?:\.(\d+))?(?:[.+-]?[0-9A-Za-z.]*)?$")
 
 
 def _num(x: float) -> str:
@@ -78,6 +72,7 @@ def launch_args(spec: JobSpec, *, node_rank: int | str, rdzv_endpoint: str, run_
         "--rdzv-endpoint", rdzv_endpoint,
         "--max-restarts", str(spec.max_in_job_restarts if spec.in_job else 0),
         "--in-job" if spec.in_job else "--no-in-job",
+        *(["--max-no-progress-restarts", str(n)] if (n := spec.max_no_progress_restarts) else []),
         "--run-dir", run_dir,
         "--job-id", str(job_id),
         "--attempt", str(attempt),
@@ -88,32 +83,9 @@ def launch_args(spec: JobSpec, *, node_rank: int | str, rdzv_endpoint: str, run_
     ]
 
 
-def parse_version(text: str) -> tuple[int, int, int] | None:
-    m = _VERSION.match(text.strip())
-    if not m:
-        return None
-    return int(m.group(1)), int(m.group(2)), int(m.group(3) or 0)
-
-
 def nvrx_problems(spec: JobSpec, nvrx_version: str) -> list[str]:
-    """Why these resilience flags will not work with this NVRx release; empty when they will.
-
-    An unknown version ("") is not checked: the operator did not say which NVRx the image has.
-    """
-    if not nvrx_version:
-        return []
-    version = parse_version(nvrx_version)
-    if version is None:
-        return [f"NVRx version {nvrx_version!r} is not a version like 0.4.1: write the version of "
-                "nvidia-resiliency-ext installed in the trainer image"]
-    problems = []
-    if version < NVRX_MIN:
-        problems.append(f"the trainer needs NVRx 0.4.1 or later (ft_launcher heartbeats, inprocess.Wrapper); "
-                        f"the image has {nvrx_version}: rebuild the trainer image")
-    if spec.in_process and version >= NVRX_INPROCESS_DEPRECATED:
-        problems.append(
-            f"NVRx {nvrx_version} deprecates in-process restart (inprocess.Wrapper, deprecated in 0.6): turn "
-            "in-process restart off (in-job and job-level restarts still recover the job), or use a trainer "
-            "image with NVRx 0.4.1-0.5.x"
-        )
-    return problems
+    """Why the job's NVRx options will not work with the trainer's NVRx release (``nvrx_version``: the
+    image's for Kubernetes, the installed one for local jobs); each names the option and both versions.
+    The rules are the trainer's own (trainer.nvrx_compat), so both sides refuse the same things."""
+    problems = nvrx_compat.spec_problems(nvrx_version, max_no_progress_restarts=spec.max_no_progress_restarts)
+    return [f"{name}: {message}" for name, message in problems.items()]

@@ -25,7 +25,8 @@ from django.conf import settings
 
 from controlplane.jobs.models import Job
 from controlplane.launchers.base import LaunchError, LaunchFault, PollResult
-from controlplane.launchers.command import launch_args
+from controlplane.launchers.command import launch_args, nvrx_problems
+from trainer import nvrx_compat
 from trainer.ports import free_port_block
 from trainer.wire import FaultClass
 
@@ -66,6 +67,9 @@ class LocalLauncher:
             problems += _user_code_problems(spec)
         elif spec.preset not in ("tiny", "small"):
             problems.append(f"preset {spec.preset!r} needs GPUs; on this machine use tiny or small")
+        # Local ranks run with this process's environment, so its NVRx is theirs.
+        installed = ".".join(map(str, nvrx_compat.version()))
+        problems += nvrx_problems(spec, installed)
         return problems
 
     def launch(self, job: Job, *, token: str | None) -> dict:

@@ -12,17 +12,23 @@ import logging
 from datetime import UTC, datetime, timedelta
 
 from django.db import IntegrityError, transaction
+from django.db.models import Q
 from django.utils import timezone
+
+from controlplane.jobs.launcher_port import TRAINER_STOP_GRACE_S
 
 from controlplane.jobs.models import (
     ACTIVE_STATUSES,
+    Command,
+    CommandStatus,
     Fault,
     Job,
     JobStatus,
     RestartCycle,
 )
 from controlplane.jobs.services import begin_job_restart, finish_command, set_status
-from controlplane.launchers.base import LaunchError, LaunchFault, TransientLaunchError, get_launcher
+from controlplane.launchers.backends import get_launcher
+from controlplane.launchers.base import LaunchError, LaunchFault, TransientLaunchError
 from trainer.wire import CommandKind, cycle_key
 
 log = logging.getLogger(__name__)
@@ -33,6 +39,8 @@ LAUNCH_TIMEOUT = timedelta(minutes=10)
 PENDING_TIMEOUT = timedelta(minutes=10)
 # A job-level relaunch that failed transiently is tried again after this long.
 RELAUNCH_RETRY_AFTER = timedelta(seconds=30)
+# A stop whose task has not carried it out this long after it was due is carried out by the supervise pass.
+STOP_BACKSTOP_AFTER = timedelta(seconds=30)
 
 
 def preflight(*, spec) -> list[str]:
@@ -189,8 +197,33 @@ def retry_stuck_launches(now: datetime | None = None) -> int:
     return n
 
 
+def carry_out_stops(now: datetime | None = None) -> int:
+    """Stops whose task never ran (the broker was down, a worker died with it): the stop command is the
+    outbox row. A control-plane stop (a restart storm) is due at once; an operator's stop after the
+    trainer's grace period, and only while the job is still active. Stopping is idempotent, so a pass
+    that races the task does no harm. Returns how many stops it carried out."""
+    now = now or timezone.now()
+    trainer_due = now - STOP_BACKSTOP_AFTER - timedelta(seconds=TRAINER_STOP_GRACE_S)
+    overdue = (Command.objects.filter(kind=CommandKind.STOP)
+               .exclude(status__in=(CommandStatus.DONE, CommandStatus.FAILED))
+               .filter(Q(via_trainer=False, issued_at__lte=now - STOP_BACKSTOP_AFTER)
+                       | Q(via_trainer=True, job__status__in=ACTIVE_STATUSES, issued_at__lte=trainer_due)))
+    n = 0
+    for cmd in overdue.only("pk", "job_id"):
+        log.warning("job %s: stop command %s was not carried out by its task; stopping now",
+                    cmd.job_id, cmd.pk)
+        try:
+            stop_job_now(job_id=cmd.job_id, command_id=cmd.pk)
+        except Exception:  # one broken job must not stop the others' stops
+            log.exception("stopping job %s failed", cmd.job_id)
+            continue
+        n += 1
+    return n
+
+
 def supervise_all() -> int:
-    """One pass over every active job. Safe to run in several workers at once."""
+    """One pass over every active job, then overdue stops and stuck launches. Safe to run in several
+    workers at once."""
     n = 0
     for job in Job.objects.active().exclude(launcher_state={}):
         try:
@@ -198,5 +231,6 @@ def supervise_all() -> int:
         except Exception:  # one broken job must not stop supervision of the others
             log.exception("supervising job %s failed", job.pk)
         n += 1
+    carry_out_stops()
     retry_stuck_launches()
     return n

@@ -31,3 +31,15 @@ def restart(job_id: int, command_id: int | None) -> None:
 @shared_task(ignore_result=True)
 def supervise() -> None:
     services.supervise_all()
+
+
+def on_launcher_requested(*, action: str, job_id: int, command_id: int | None, countdown: float, **_) -> None:
+    """The receiver of ``jobs.launcher_port.launcher_requested`` (connected in LaunchersConfig.ready)."""
+    if action == "launch":
+        launch.delay(job_id)
+    elif action == "restart":
+        restart.delay(job_id, command_id)
+    elif action == "stop":
+        stop.apply_async((job_id, command_id), countdown=countdown)
+    else:
+        raise ValueError(f"unknown launcher request {action!r}: use launch, restart or stop")

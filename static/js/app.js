@@ -144,7 +144,25 @@
     setTimeout(poll, 1000);
   }
 
+  // -- flash messages: a success note ("Job #N created") has said its piece once it has been read;
+  // it leaves after a few seconds, every note has a close button, errors stay until closed.
+  function setupMessages() {
+    document.querySelectorAll(".messages .msg").forEach(function (el) {
+      const close = document.createElement("button");
+      close.type = "button";
+      close.className = "link msg-close";
+      close.setAttribute("aria-label", "dismiss");
+      close.textContent = "×";
+      close.addEventListener("click", function () { el.remove(); });
+      el.appendChild(close);
+      if (el.classList.contains("msg-success") || el.classList.contains("msg-info")) {
+        setTimeout(function () { el.remove(); }, 6000);
+      }
+    });
+  }
+
   document.addEventListener("DOMContentLoaded", function () {
+    setupMessages();
     syncBackend();
     tickAges();
     const list = document.querySelector("[data-live-list]");

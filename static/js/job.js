@@ -17,7 +17,15 @@
                   followSpan: 600000 };
   let faultParams = new URLSearchParams(window.location.search);
 
-  const PLOT_CONFIG = { responsive: true, displaylogo: false, modeBarButtonsToRemove: ["select2d", "lasso2d"] };
+  // The mode bar keeps zoom, pan, reset and PNG download. Nothing may offer to send job data off this
+  // host: plotly.js 4 shows a "Share chart..." (Plotly Cloud upload) button unless showSendToCloud is
+  // false, so it is turned off, removed by name, and given no server URL to upload to.
+  const PLOT_CONFIG = {
+    responsive: true, displaylogo: false, showSendToCloud: false, showEditInChartStudio: false, showLink: false,
+    plotlyServerURL: "", linkText: "",
+    modeBarButtonsToRemove: ["select2d", "lasso2d", "sendChartToCloud", "sendDataToCloud", "editInChartStudio",
+                             "toggleSpikelines", "hoverClosestCartesian", "hoverCompareCartesian"],
+  };
 
   function readData(id) {
     const el = document.getElementById(id);
@@ -34,9 +42,27 @@
     if (div.dataset.chart === "timeline-data") setupTimeline(div, data);
   }
 
+  // The timeline's lanes keep their height whatever the legend needs: plotly pushes the top margin
+  // for a legend that wraps onto more rows (more traces in view, a narrower window), and with a fixed
+  // figure height that squeezes the lanes. After every draw the figure grows or shrinks by exactly
+  // what the margins took, so the plot area stays ``plot_height`` pixels tall.
+  function keepPlotHeight(div) {
+    const t = state.timeline;
+    const full = div._fullLayout;
+    if (!t || t.div !== div || !full || !full._size || !t.data.plot_height) return;
+    const want = Math.round(t.data.plot_height * (window.innerWidth < 700 ? 1.4 : 1));
+    const height = Math.round(full._size.t + full._size.b + want);
+    if (Math.abs(full._size.h - want) <= 1 || Math.abs(full.height - height) <= 1) return;
+    t.height = height;
+    state.suppress += 1;
+    Promise.resolve(Plotly.relayout(div, { height: height })).finally(function () { state.suppress -= 1; });
+  }
+
   // Narrow screens: legends wrap onto more lines, so give the plot more height rather than squeeze it.
   function fitLayout(div, layout) {
     const w = window.innerWidth;
+    const t = state.timeline;
+    if (t && t.div === div && t.height) layout = Object.assign({}, layout, { height: t.height });
     if (w >= 700) return layout;
     const out = Object.assign({}, layout);
     out.height = Math.round((layout.height || 300) * 1.4 + 140);
@@ -51,13 +77,16 @@
 
   // -- timeline ---------------------------------------------------------------------------------
   function setupTimeline(div, data) {
-    state.timeline = { div: div, data: data };
+    const height = state.timeline && state.timeline.div === div ? state.timeline.height : null;
+    state.timeline = { div: div, data: data, height: height };
     const r = data.figure.layout.xaxis.range;
     state.window = [r[0], r[1]];
     if (!div.dataset.bound) {
       div.dataset.bound = "1";
       div.on("plotly_relayout", onRelayout);
+      div.on("plotly_afterplot", function () { keepPlotHeight(div); });
     }
+    keepPlotHeight(div);
   }
 
   let zoomTimer = null;

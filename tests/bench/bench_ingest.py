@@ -5,10 +5,10 @@ Starts everything it measures and stops it again:
 - PostgreSQL via ``DATABASE_URL`` (default ``postgres://postgres@127.0.0.1:5432/unbroken_bench``, created
   and migrated if missing) and Redis via ``REDIS_URL`` (default ``redis://127.0.0.1:6379/9``, a database
   of its own: the bench's Celery queues and heartbeat keys must not meet a dev server's);
-- the production ASGI server: ``uvicorn controlplane.ingest.asgi:application --workers 2`` (uvloop, httptools,
+- the production ASGI server: ``uvicorn controlplane.asgi:application --workers 2`` (uvloop, httptools,
   no access log), ``UNBROKEN_DEBUG=false``;
-- a Celery worker with beat (the settings' schedule: the watchdog every ``WATCHDOG_INTERVAL_S``, which also
-  schedules the heartbeat flush);
+- a Celery worker with beat (the settings' schedule: the watchdog every ``WATCHDOG_INTERVAL_S``, the heartbeat
+  flush every ``HEARTBEAT_FLUSH_INTERVAL_S``);
 - the load generator (tests/bench/loadgen.py) in this process: one job of 100,000 ranks, each beating
   every 2 s (the issue's 100,000-GPU job: 50,000 rank heartbeats/s offered), batches of 512 over 32
   keep-alive connections on loopback. One rank goes silent part-way;
@@ -47,7 +47,7 @@ PY = sys.executable
 DEFAULT_DB = "postgres://postgres@127.0.0.1:5432/unbroken_bench"
 DEFAULT_REDIS = "redis://127.0.0.1:6379/9"
 # The production app: Django with the ingest fast path in front (controlplane/ingest/asgi.py).
-ASGI_APP = "controlplane.ingest.asgi:application"
+ASGI_APP = "controlplane.asgi:application"
 
 
 def ensure_database(url: str) -> None:

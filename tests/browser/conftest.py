@@ -61,3 +61,27 @@ def operator_page(live_server, browser):
     page.click("button[type=submit]")
     page.wait_for_url(f"{live_server.url}/")
     return page
+
+
+# The pixel position of every point of the traces whose name starts with a prefix, in page coordinates.
+POINTS_JS = """(prefix) => {
+  const gd = document.querySelector('#part-timeline .js-plotly-plot');
+  const box = gd.getBoundingClientRect(), fl = gd._fullLayout, out = [];
+  gd._fullData.forEach(function (tr) {
+    if (!String(tr.name).startsWith(prefix)) return;
+    for (let i = 0; i < tr.x.length; i++) {
+      out.push({x: box.left + fl._size.l + fl.xaxis.l2p(fl.xaxis.d2l(tr.x[i])),
+                y: box.top + fl._size.t + fl.yaxis.l2p(fl.yaxis.d2l(tr.y[i]))});
+    }
+  });
+  return out;
+}"""
+
+
+def hover_text(page, prefix: str) -> str:
+    """The hover label of the one point of the timeline's traces named ``prefix``."""
+    pt = page.evaluate(POINTS_JS, prefix)[0]
+    page.mouse.move(pt["x"], pt["y"])
+    label = page.locator("#part-timeline .hoverlayer .hovertext").first
+    label.wait_for(timeout=5000)
+    return label.text_content()

@@ -5,12 +5,14 @@ job page without reloading, restarts the job in-process by hand, and sees it run
 
 from __future__ import annotations
 
+import re
 import time
 
 import pytest
 
 from controlplane.jobs.models import Command, Job, RestartCycle
 from controlplane.launchers.local import LocalLauncher
+from tests.browser.conftest import hover_text
 from tests.helpers import wait_for
 from trainer.wire import Layer
 
@@ -37,13 +39,21 @@ def test_it_runs_the_demo_job_and_a_manual_restart_live(e2e_settings, celery_bea
         # The demo's first drill (an exception in rank 1) shows up live, then its in-process recovery.
         status = page.locator("[data-testid=job-status]")
         status.get_by_text("running").wait_for(timeout=120_000)
-        page.locator("#part-timeline").get_by_text("fault · exception").first.wait_for(timeout=120_000)
+        page.locator("#part-timeline").get_by_text("fault · exception").first.wait_for(timeout=240_000)
         page.locator("[data-testid=fault-table]").get_by_text("exception").first.wait_for(timeout=10_000)
         wait_for(lambda: RestartCycle.objects.filter(job=job, layer=Layer.IN_PROCESS,
                                                      first_step_at__isnull=False).exists(),
                  timeout_s=60, what="the drill's in-process recovery to complete")
         assert page.evaluate("performance.getEntriesByType('navigation').length") == 1  # never reloaded
         shot(page, "real-02-drill-recovered")
+
+        # One detection time for the drill's fault: the fault table's and the marker's hover agree.
+        page.locator("[data-testid=fault-table] tbody tr").filter(has_text="exception").first.wait_for()
+        headers = page.locator("[data-testid=fault-table] thead th").all_inner_texts()
+        row = page.locator("[data-testid=fault-table] tbody tr").filter(has_text="exception").first
+        table_detection = row.locator("td").nth(headers.index("Detection")).inner_text().strip()
+        hover = hover_text(page, "fault · exception")
+        assert re.search(r"after ([\d.]+ m?s|[\d.]+ min)", hover).group(1) == table_detection, (hover, table_detection)
 
         # A manual in-process restart, confirmed in the dialog, acknowledged by the trainer.
         before = RestartCycle.objects.filter(job=job, layer=Layer.IN_PROCESS).count()

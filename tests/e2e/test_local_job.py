@@ -86,6 +86,7 @@ def _run_to_success(job: Job) -> None:
     assert job.status == JobStatus.SUCCEEDED, (job.status_reason, _log(job))
 
 
+@pytest.mark.nvrx
 def test_a_drill_of_every_fault_class_recovers_by_its_layer_to_the_clean_runs_loss(e2e_settings,
                                                                                    celery_beat_thread):
     """The issue's "done when": all layers on, a drill schedule of every fault class; the job ends with

@@ -4,7 +4,7 @@ import pytest
 
 from tests.trainer.conftest import launch
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.nvrx]
 
 
 def cmd(id, kind, level=None, rank=None, fault=None):

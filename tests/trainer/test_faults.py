@@ -6,7 +6,7 @@ import pytest
 from tests.trainer.conftest import launch
 
 STEPS = ["--steps", "24", "--ckpt-interval", "5", "--soft-timeout", "3", "--hard-timeout", "8"]
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.nvrx]
 
 
 @pytest.fixture(scope="module")

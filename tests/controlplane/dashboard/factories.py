@@ -116,7 +116,7 @@ def make_fault(
         cycle=cycle,
         fault_class=fault_class,
         rank=rank,
-        node="node-a",
+        node=kw.pop("node", "node-a"),
         detected_by=kw.pop("detected_by", "in_process"),
         message=kw.pop("message", "boom"),
         at=at,

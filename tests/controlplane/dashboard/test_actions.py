@@ -249,3 +249,17 @@ def test_it_explains_a_missing_cluster_configuration(settings):
     assert resp.status_code == 400
     assert "no usable Kubernetes configuration" in resp.content.decode()
     assert not Job.objects.exists()
+
+
+def test_a_finished_job_offers_to_start_again_instead_of_commands():
+    job = make_job(status="succeeded", finished_at=timezone.now())
+    c = login("op", operator=True)
+    body = c.get(reverse("dashboard:job", args=[job.pk])).content.decode()
+    for testid in ("restart", "inject", "stop"):
+        assert f'data-testid="{testid}"' not in body
+    assert f'href="/jobs/new/?from={job.pk}"' in body
+    form = c.get(reverse("dashboard:job_new"), {"from": job.pk}).content.decode()
+    assert 'data-testid="again-from"' in form and f'value="{job.spec["steps"]}"' in form
+    running = make_job(status="running")
+    body = c.get(reverse("dashboard:job", args=[running.pk])).content.decode()
+    assert 'data-testid="restart"' in body and "start-again" not in body

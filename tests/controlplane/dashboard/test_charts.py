@@ -5,7 +5,7 @@ from datetime import timedelta
 import pytest
 from django.utils import timezone
 
-from controlplane.dashboard import charts, sections
+from controlplane.dashboard import charts, sections, timeline_figure
 from controlplane.dashboard.timeline import CHECKPOINT_SAVE, DEAD, HUNG, RESTARTING, TRAINING, Span
 
 from .factories import make_checkpoint, make_cycle, make_fault, make_job, make_rank
@@ -13,7 +13,7 @@ from .factories import make_checkpoint, make_cycle, make_fault, make_job, make_r
 
 def test_it_keeps_few_spans_exact():
     spans = [Span(10.0 * i, 10.0 * i + 1, CHECKPOINT_SAVE, None) for i in range(50)]
-    out = charts.downsample_spans(spans, 0, 1000)
+    out = timeline_figure.downsample_spans(spans, 0, 1000)
     assert len(out) == 50 and out[3].start == 30.0
 
 
@@ -23,7 +23,7 @@ def test_it_bins_many_spans_to_a_bounded_count_and_keeps_the_alarming_ones():
     ]  # 1% of time in saves
     spans.append(Span(50_000.0, 50_003.0, RESTARTING, None, "cycle"))  # 3 s restart in a 100,000 s job
     spans.append(Span(0.0, 100_000.0, TRAINING, None))
-    out = charts.downsample_spans(spans, 0, 100_000, max_spans=400, bins=600)
+    out = timeline_figure.downsample_spans(spans, 0, 100_000, max_spans=400, bins=600)
     assert len(out) <= 601
     assert [s.phase for s in out if s.phase == RESTARTING] == [RESTARTING]
     assert not [s for s in out if s.phase == CHECKPOINT_SAVE]  # 1% saves do not paint the lane
@@ -32,7 +32,7 @@ def test_it_bins_many_spans_to_a_bounded_count_and_keeps_the_alarming_ones():
 
 def test_it_shows_detail_again_when_zoomed_in():
     spans = [Span(i * 20.0, i * 20.0 + 0.2, CHECKPOINT_SAVE, None) for i in range(5000)]
-    out = charts.downsample_spans(spans, 1000, 1200)  # ten saves in view
+    out = timeline_figure.downsample_spans(spans, 1000, 1200)  # ten saves in view
     assert len(out) == 11 and all(s.phase == CHECKPOINT_SAVE for s in out)
 
 
@@ -77,7 +77,7 @@ def test_it_bounds_the_timeline_of_a_long_job():
         make_fault(job, at=at, rank=i % 8, cycle=c, fault_class="hang" if i % 2 else "process_killed")
     fig = sections.timeline_part(job, now, follow=False)["figure"]
     bars = sum(len(t["x"]) for t in fig["data"] if t["type"] == "bar")
-    assert bars <= 2 * charts.MAX_BINS
+    assert bars <= 2 * timeline_figure.MAX_BINS
     names = {t["name"] for t in fig["data"]}
     assert {"training", HUNG, DEAD, "fault · hang", "fault · process_killed", "restart · in-process"} <= names
     assert len(fig["layout"]["shapes"]) >= 30  # cycle bands

@@ -1,6 +1,7 @@
 """/metrics: Prometheus text format; open on loopback, a bearer token when UNBROKEN_METRICS_TOKEN is set."""
 
 import re
+from datetime import timedelta
 
 import pytest
 from django.utils import timezone
@@ -26,14 +27,17 @@ def test_it_exposes_the_metrics_in_prometheus_text_format(client):
         else:
             assert SAMPLE.match(line), line
     j = f'job="{job.pk}"'
-    assert f'unbroken_restarts_total{{{j},layer="in_process"}} 1' in text
-    assert f'unbroken_faults_total{{{j},class="exception"}} 1' in text
-    assert f'unbroken_faults_total{{{j},class="hang"}} 1' in text
+    assert f'unbroken_restarts_total{{{j},layer="in_process"}} 1.0' in text
+    assert f'unbroken_faults_total{{class="exception",{j}}} 1.0' in text
+    assert f'unbroken_faults_total{{class="hang",{j}}} 1.0' in text
     assert "# TYPE unbroken_checkpoint_blocking_seconds histogram" in text
-    assert f'unbroken_checkpoint_blocking_seconds_bucket{{{j},le="+Inf"}} 26' in text
-    assert f"unbroken_checkpoint_durable_seconds_count{{{j}}} 25" in text
+    assert f'unbroken_checkpoint_blocking_seconds_bucket{{{j},le="+Inf"}} 26.0' in text
+    assert f"unbroken_checkpoint_durable_seconds_count{{{j}}} 25.0" in text
     assert f"unbroken_goodput_ratio{{{j}}} " in text
-    assert f'unbroken_rank_heartbeat_age_seconds{{{j},rank="0",node="node-a"}}' in text
+    assert f"unbroken_job_step{{{j}}} {float(job.last_step)}" in text
+    assert f'unbroken_rank_heartbeat_age_seconds_bucket{{{j},le="+Inf"}} ' in text
+    assert f"unbroken_rank_heartbeat_age_max_seconds{{{j}}} " in text
+    assert "status=" not in text and "name=" not in text and "rank=" not in text  # bounded labels only
 
 
 def test_it_keeps_histogram_buckets_cumulative(client):
@@ -65,3 +69,32 @@ def test_it_requires_the_bearer_token_when_one_is_set(client, monkeypatch):
     assert client.get("/metrics", HTTP_AUTHORIZATION="Bearer wrong").status_code == 401
     ok = client.get("/metrics", HTTP_AUTHORIZATION="Bearer s3cret-token", REMOTE_ADDR="10.1.2.3")
     assert ok.status_code == 200
+
+
+def series(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line and not line.startswith("#")]
+
+
+def _ranks(job, n: int, now) -> None:
+    from controlplane.jobs.models import Rank
+
+    Rank.objects.bulk_create([Rank(job=job, rank=r, node=f"node-{r // 8}", phase="train", last_step=10,
+                                   last_heartbeat_at=now - timedelta(seconds=r % 700), step_time_s=0.1)
+                              for r in range(2, n)], batch_size=5000)  # populated_job made ranks 0 and 1
+
+
+def test_a_job_with_10000_ranks_makes_as_many_series_as_one_with_2(client, django_assert_max_num_queries):
+    now = timezone.now()
+    small = populated_job(now)
+    before = len(series(client.get("/metrics").content.decode()))
+    big = populated_job(now)
+    _ranks(big, 10_000, now)
+    with django_assert_max_num_queries(40):  # grouped queries: none per rank, checkpoint or job part
+        text = client.get("/metrics").content.decode()
+    per_job = {j: [line for line in series(text) if f'job="{j}"' in line] for j in (small.pk, big.pk)}
+    assert len(per_job[big.pk]) == len(per_job[small.pk]) <= 120
+    assert len(series(text)) == 2 * before
+    b = f'job="{big.pk}"'
+    assert f'unbroken_rank_heartbeat_age_seconds_count{{{b}}} 10000.0' in text
+    assert f'unbroken_rank_heartbeat_age_seconds_bucket{{{b},le="60.0"}} ' in text
+    assert float(text.split(f"unbroken_rank_heartbeat_age_max_seconds{{{b}}} ")[1].split()[0]) >= 699

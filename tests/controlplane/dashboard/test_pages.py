@@ -89,7 +89,13 @@ def test_it_renders_a_job_with_no_facts_yet(viewer_client):
     job = make_job(
         status="launching", started_at=None, first_step_at=None, last_step=0, last_progress_at=None
     )
-    assert viewer_client.get(reverse("dashboard:job", args=[job.pk])).status_code == 200
+    resp = viewer_client.get(reverse("dashboard:job", args=[job.pk]))
+    assert resp.status_code == 200
+    body = resp.content.decode()
+    # Empty states say what they wait for: no fake axes, no "?" lanes, health says why it is unknown.
+    assert "Waiting for the first heartbeat" in body and "Waiting for the first checkpoint" in body
+    assert 'data-chart="progress-data"' not in body and 'data-chart="ckpt-data"' not in body
+    assert "· ?" not in body and "no heartbeat yet" in body
 
 
 def test_it_filters_and_paginates_the_fault_table(viewer_client):
@@ -140,7 +146,7 @@ def test_it_serves_plotly_from_the_installed_package(viewer_client):
 
 def test_it_renders_the_new_job_form_with_the_demo_preset(operator_client):
     body = operator_client.get(reverse("dashboard:job_new")).content.decode()
-    assert "60:exception:1" in body and "150:sigkill:0" in body  # DEMO_SPEC drills
+    assert "300:exception:1" in body and "900:sigkill:0" in body  # DEMO_SPEC drills
     assert 'data-show-for-backend="kubernetes"' in body
 
 

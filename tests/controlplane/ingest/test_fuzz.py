@@ -35,7 +35,7 @@ WORLD = {"procs_per_node": MAX_RANK}
 
 @pytest.mark.parametrize("mode", [schemathesis.GenerationMode.POSITIVE, schemathesis.GenerationMode.NEGATIVE])
 def test_it_answers_a_schema_driven_fuzzer_with_declared_statuses_and_no_5xx(mode, hb_store):
-    from controlplane.ingest.asgi import application
+    from controlplane.asgi import application
 
     job, token = make_job(spec=WORLD)
     schema = schemathesis.openapi.from_asgi("/api/v1/openapi.json", application)

@@ -28,7 +28,7 @@ pytestmark = [needs_postgres(), pytest.mark.django_db(transaction=True), pytest.
 
 
 class Server:
-    """``uvicorn controlplane.ingest.asgi:application`` on the test database."""
+    """``uvicorn controlplane.asgi:application`` on the test database."""
 
     def __init__(self, port: int, *, redis_url: str = ""):
         s = connection.settings_dict
@@ -40,7 +40,7 @@ class Server:
 
     def start(self) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "uvicorn", "controlplane.ingest.asgi:application", "--host", "127.0.0.1",
+            [sys.executable, "-m", "uvicorn", "controlplane.asgi:application", "--host", "127.0.0.1",
              "--port", str(self.port), "--no-access-log", "--log-level", "warning"], cwd=ROOT, env=self.env)
         deadline = time.time() + 30
         while time.time() < deadline:

@@ -206,16 +206,30 @@ def test_it_closes_an_in_process_cycle_that_escalated_to_the_launcher():
     assert RestartCycle.objects.get(job=job, key="a0-ij1").escalated_to == ""
 
 
-def test_it_keeps_one_training_sample_per_interval():
+def test_it_keeps_one_training_sample_per_interval_of_the_trainers_clock():
     from controlplane.jobs.models import TrainingSample
 
     job, _ = make_job()
-    ingestion._last_sample.pop(job.pk, None)
-    t = time.time()
+    t = (time.time() // ingestion.SAMPLE_INTERVAL_S) * ingestion.SAMPLE_INTERVAL_S - 60
     record(job, heartbeats=[hb(1, 5, at=t, loss=3.0), hb(0, 5, at=t, loss=2.5)])
-    record(job, heartbeats=[hb(0, 6, at=t + 0.1, loss=2.4)])  # within the interval: not kept
+    record(job, heartbeats=[hb(0, 6, at=t + 0.1, loss=2.4)])  # the same 2 s slot: not kept
     s = TrainingSample.objects.get(job=job)
     assert (s.rank, s.step, s.loss) == (0, 5, 2.5)
-    ingestion._last_sample[job.pk] -= ingestion.SAMPLE_INTERVAL_S
-    record(job, heartbeats=[hb(0, 7, at=t + 0.2, loss=2.3)])
+    record(job, heartbeats=[hb(0, 7, at=t + 2.5, loss=2.3)])
     assert list(TrainingSample.objects.filter(job=job).values_list("step", flat=True)) == [5, 7]
+    # A trainer's spool replays an outage in one batch later: its beats fill the places they belong to.
+    record(job, heartbeats=[hb(0, 8 + i, at=t + 4.6 + i, loss=2.0) for i in range(6)])
+    got = list(TrainingSample.objects.filter(job=job).order_by("at").values_list("step", "at"))
+    assert [step for step, _ in got] == [5, 7, 8, 10, 12]
+    assert got[-1][1].timestamp() == pytest.approx(t + 8.6, abs=1e-3)  # placed by the beat's own time
+
+
+def test_the_training_sample_is_per_job_not_per_web_process():
+    from controlplane.jobs.models import TrainingSample
+
+    job, _ = make_job()
+    t = time.time()
+    record(job, heartbeats=[hb(0, 5, at=t, loss=2.5)])
+    ingestion._last_sample.clear()  # another web process: it has sampled nothing itself
+    record(job, heartbeats=[hb(0, 6, at=t + 0.5, loss=2.4)])
+    assert list(TrainingSample.objects.filter(job=job).values_list("step", flat=True)) == [5]

@@ -9,7 +9,8 @@ from django.db import connection
 from django.utils import timezone
 
 from controlplane.jobs import heartbeats, ingestion, supervision, tasks
-from controlplane.jobs.models import Fault, Job, Notification, Rank, RestartCycle
+from controlplane.jobs.launcher_port import launcher_requested
+from controlplane.jobs.models import Command, Fault, Job, Notification, Rank, RestartCycle
 from tests.controlplane.conftest import batch, hb, make_job, needs_postgres, needs_redis
 from trainer.wire import parse_batch
 
@@ -103,8 +104,15 @@ def test_it_detects_a_lost_rank_from_redis_before_any_flush(hb_store):
     beat(job, hb(0, 5, at=t), hb(1, 5, at=t))
     assert not Rank.objects.filter(job=job).exists()  # nothing flushed yet
     assert supervision.mark_overdue(later(11), store=hb_store) == 2
-    assert Rank.objects.filter(job=job, lost_at__isnull=False).count() == 2
-    assert hb_store.overdue(later(11)) == []  # handled entries leave the index
+    assert lost_faults(job).count() == 2
+    assert not Rank.objects.filter(job=job).exists()  # the rows are the flush's to write, not the watchdog's
+    assert len(hb_store.overdue(later(11))) == 2  # kept until the rows can be claimed
+    assert supervision.mark_overdue(later(11.5), store=hb_store) == 0  # recorded once
+    hb_store.flush()
+    assert supervision.mark_overdue(later(12), store=hb_store) == 0
+    assert Rank.objects.filter(job=job, lost_at__isnull=False).count() == 2  # claimed, no second fault
+    assert lost_faults(job).count() == 2
+    assert hb_store.overdue(later(12)) == []  # settled entries leave the index
 
 
 @needs_redis()
@@ -116,7 +124,9 @@ def test_it_does_not_claim_a_rank_that_beat_after_the_last_flush(hb_store):
     beat(job, hb(0, 6, at=time.time()))  # only in Redis: the row still says t (a flush is overdue)
     assert Rank.objects.get(job=job, rank=0).stale_at.timestamp() == pytest.approx(t + 10, abs=1e-3)
     assert supervision.mark_overdue(store=hb_store) == 0  # the row is overdue, Redis says alive
-    assert Rank.objects.get(job=job, rank=0).last_step == 6
+    assert not lost_faults(job).exists()
+    row = Rank.objects.get(job=job, rank=0)
+    assert (row.last_step, row.lost_at) == (5, None)  # the watchdog wrote nothing: the next flush does
 
 
 @needs_redis()
@@ -153,8 +163,10 @@ def _cycles(job, n, start):
 
 
 def test_it_stops_a_restart_storm(monkeypatch, django_capture_on_commit_callbacks):
-    stopped = []
-    monkeypatch.setattr(supervision, "request_stop", stopped.append)
+    nudges = []
+    monkeypatch.setattr(launcher_requested, "receivers", [])  # here, nobody carries the stop out
+    launcher_requested.connect(lambda **kw: nudges.append((kw["action"], kw["job_id"], kw["command_id"])),
+                               weak=False)
     job, _ = make_job(spec={"storm_restarts": 3}, notify_email="ops@example.com",
                       max_step=50, last_progress_at=timezone.now() - timedelta(minutes=5))
     _cycles(job, 2, timezone.now() - timedelta(minutes=4))
@@ -164,7 +176,11 @@ def test_it_stops_a_restart_storm(monkeypatch, django_capture_on_commit_callback
         assert supervision.stop_storms() == 1
     job.refresh_from_db()
     assert job.status == "failed" and job.status_reason.startswith("restart storm: 3 restarts")
-    assert stopped == [job.pk]
+    # The stop is a row (the launcher's supervise pass carries it out if the nudge is lost) and a nudge.
+    stop = Command.objects.get(job=job)
+    assert (stop.kind, stop.via_trainer, stop.status) == ("stop", False, "pending")
+    assert stop.detail.startswith("restart storm")
+    assert nudges == [("stop", job.pk, stop.pk)]
     assert Notification.objects.get(job=job).transition == "storm"
     assert supervision.stop_storms() == 0
 
@@ -209,3 +225,19 @@ def test_two_concurrent_watchdogs_record_one_fault(settle):
     assert sorted(r.lost for r in results) in ([0, 4], [1, 3], [2, 2])  # split any way, never doubled
     assert lost_faults(job).count() == 4
     assert Fault.objects.filter(job=job).values("rank").distinct().count() == 4
+
+
+def test_the_beat_schedule_runs_every_periodic_task():
+    from django.conf import settings
+
+    from controlplane.celery import app
+
+    app.loader.import_default_modules()
+    scheduled = {e["task"]: e["schedule"] for e in settings.CELERY_BEAT_SCHEDULE.values()}
+    assert scheduled["controlplane.jobs.tasks.flush_heartbeats"] == settings.HEARTBEAT_FLUSH_INTERVAL_S
+    assert scheduled["controlplane.jobs.tasks.watchdog"] == settings.WATCHDOG_INTERVAL_S
+    periodic = {"controlplane.jobs.tasks.watchdog", "controlplane.jobs.tasks.flush_heartbeats",
+                "controlplane.jobs.tasks.send_notifications", "controlplane.launchers.tasks.supervise"}
+    assert set(scheduled) == periodic
+    assert periodic <= set(app.tasks)
+

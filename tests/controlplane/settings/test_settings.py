@@ -2,6 +2,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
@@ -24,6 +26,12 @@ def test_it_starts_with_a_secret_key_file(tmp_path):
     assert r.returncode == 0, r.stderr
 
 
-def test_it_rejects_a_boolean_that_is_not_true_or_false(tmp_path):
-    r = _load({"UNBROKEN_DATA_DIR": str(tmp_path), "UNBROKEN_DEBUG": "maybe"})
-    assert r.returncode != 0 and "UNBROKEN_DEBUG='maybe': use true or false" in r.stderr
+@pytest.mark.parametrize("value", ["maybe", "1", "yes", "0", "no"])
+def test_it_rejects_a_boolean_that_is_not_true_or_false(tmp_path, value):
+    r = _load({"UNBROKEN_DATA_DIR": str(tmp_path), "UNBROKEN_DEBUG": value})
+    assert r.returncode != 0 and f"UNBROKEN_DEBUG={value!r}: use true or false" in r.stderr
+
+
+def test_it_reads_true_and_false_in_any_case(tmp_path):
+    r = _load({"UNBROKEN_DATA_DIR": str(tmp_path), "UNBROKEN_DEBUG": "True"})
+    assert r.returncode == 0, r.stderr

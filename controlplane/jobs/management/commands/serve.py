@@ -35,7 +35,12 @@ class Command(BaseCommand):
             "beat": [py, "-m", "celery", "-A", "controlplane", "beat", "--loglevel", "INFO",
                      "--schedule", str(beat_schedule)],
         }
-        procs = {name: subprocess.Popen(cmd, start_new_session=True) for name, cmd in cmds.items()}
+        # Trainers the local launcher starts report to PUBLIC_URL: unless it is set, that is this server.
+        env = dict(os.environ)
+        if not os.environ.get("UNBROKEN_PUBLIC_URL"):
+            reach = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+            env["UNBROKEN_PUBLIC_URL"] = f"http://{reach}:{port}"
+        procs = {name: subprocess.Popen(cmd, start_new_session=True, env=env) for name, cmd in cmds.items()}
         stopping = False
 
         def stop(*_):

@@ -47,18 +47,26 @@ def test_the_pod_argv_parses_with_the_trainers_own_launcher():
     assert [d.key for d in cfg.drills] == ["50:sigkill:100"]
 
 
-@pytest.mark.parametrize("version,in_process,expected", [
-    ("", True, []),
-    ("0.4.1", True, []),
-    ("0.5.2", True, []),
-    ("0.6.0", False, []),
-    ("0.6.0", True, ["deprecates in-process restart"]),
-    ("v0.7.1rc1", True, ["deprecates in-process restart"]),
-    ("0.3.0", False, ["0.4.1 or later"]),
-    ("latest", True, ["not a version"]),
+@pytest.mark.parametrize("version,no_progress,expected", [
+    ("", 2, []),  # not declared: not checked
+    ("0.4.1", 0, []),
+    ("0.6.0", 2, []),
+    ("v0.7.1rc1", 2, []),
+    ("0.4.1", 2, ["max_no_progress_restarts: needs NVRx 0.6.0 or later", "this job's NVRx is 0.4.1"]),
+    ("0.5.2", 1, ["needs NVRx 0.6.0 or later", "this job's NVRx is 0.5.2"]),
+    ("0.3.0", 0, ["nvrx_version: the trainer needs NVRx 0.4.1 or later"]),
+    ("latest", 0, ["not a version"]),
 ])
-def test_it_checks_the_resilience_flags_against_the_nvrx_version(version, in_process, expected):
-    problems = nvrx_problems(JobSpec(in_process=in_process), version)
-    assert len(problems) == len(expected)
-    for p, want in zip(problems, expected, strict=True):
-        assert want in p
+def test_it_checks_the_jobs_nvrx_options_against_the_nvrx_version(version, no_progress, expected):
+    (problem,) = nvrx_problems(JobSpec(max_no_progress_restarts=no_progress), version) or [""]
+    for want in expected:
+        assert want in problem
+    assert bool(problem) is bool(expected)
+
+
+def test_it_passes_the_no_progress_limit_to_the_launcher_only_when_set():
+    assert "--max-no-progress-restarts" not in launch_args(JobSpec(), node_rank=0, rdzv_endpoint="h:1",
+                                                           run_dir="/r", job_id=1, attempt=0)
+    args = launch_args(JobSpec(max_no_progress_restarts=3), node_rank=0, rdzv_endpoint="h:1", run_dir="/r",
+                       job_id=1, attempt=0)
+    assert args[args.index("--max-no-progress-restarts") + 1] == "3"

@@ -87,14 +87,14 @@ def test_it_only_counts_nodes_matching_the_node_selector(cluster, launcher):
     assert "no node matching node_selector" in problem
 
 
-@pytest.mark.parametrize("version,in_process,ok", [("0.6.0", True, False), ("0.6.0", False, True),
-                                                   ("0.4.1", True, True)])
-def test_it_refuses_in_process_restart_where_nvrx_deprecated_it(cluster, launcher, version, in_process, ok):
+@pytest.mark.parametrize("version,no_progress,ok", [("0.4.1", 2, False), ("0.6.0", 2, True), ("0.4.1", 0, True)])
+def test_it_refuses_an_nvrx_option_the_images_release_lacks(cluster, launcher, version, no_progress, ok):
     cluster.ready()
-    problems = launcher.preflight(make_job(in_process=in_process, kubernetes={"nvrx_version": version}))
+    problems = launcher.preflight(make_job(in_process=True, max_no_progress_restarts=no_progress,
+                                           kubernetes={"nvrx_version": version}))
     assert (problems == []) is ok
     if not ok:
-        assert "turn in-process restart off" in problems[0]
+        assert "max_no_progress_restarts" in problems[0] and "0.6.0" in problems[0] and version in problems[0]
 
 
 def test_it_says_when_jobset_is_not_installed(cluster, launcher):
@@ -125,7 +125,7 @@ current-context: fake
 def test_it_builds_the_launcher_from_settings(settings):
     settings.KUBECONFIG = "/nowhere/kubeconfig"
     settings.UNBROKEN_K8S_INGEST_URL = "http://unbroken-web.unbroken.svc.cluster.local:8000"
-    from controlplane.launchers.base import get_launcher
+    from controlplane.launchers.backends import get_launcher
     launcher = get_launcher("kubernetes")
     assert (launcher.kubeconfig, launcher.ingest_url) == ("/nowhere/kubeconfig", settings.UNBROKEN_K8S_INGEST_URL)
     assert "no usable Kubernetes configuration" in launcher.preflight(make_job())[0]

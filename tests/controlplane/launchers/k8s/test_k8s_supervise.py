@@ -6,7 +6,13 @@ import base64
 import pytest
 from k8shelpers import NS, k8s_spec
 
-from controlplane.jobs.models import Fault, Job, JobStatus, RestartCycle
+from datetime import timedelta
+
+from django.utils import timezone
+
+from controlplane.jobs import services as job_services
+from controlplane.jobs import supervision
+from controlplane.jobs.models import Command, Fault, Job, JobStatus, RestartCycle
 from controlplane.launchers import services, tasks
 from controlplane.launchers.base import TransientLaunchError
 from trainer.wire import FaultClass
@@ -174,3 +180,36 @@ def test_it_fails_a_launch_that_never_started(cluster):
     services.retry_stuck_launches(timezone.now() + services.LAUNCH_TIMEOUT + timedelta(seconds=1))
     job.refresh_from_db()
     assert job.status == JobStatus.FAILED and "could not start attempt 0" in job.status_reason
+
+
+def test_a_storm_stop_whose_task_never_ran_is_carried_out_by_the_supervise_pass(
+        cluster, django_capture_on_commit_callbacks):
+    job, _ = launched(cluster)
+    with django_capture_on_commit_callbacks(execute=False):  # the nudge is lost (no broker)
+        job_services.set_status(job, JobStatus.FAILED, "restart storm")
+        supervision.request_stop(job.pk, reason="restart storm")
+    assert cluster.pod_names(job.pk)
+    assert services.carry_out_stops() == 0  # not due yet: the task may still come
+    later = timezone.now() + services.STOP_BACKSTOP_AFTER + timedelta(seconds=1)
+    assert services.carry_out_stops(later) == 1
+    assert cluster.pod_names(job.pk) == []
+    assert Command.objects.get(job=job).status == "done"
+    assert Job.objects.get(pk=job.pk).status == JobStatus.FAILED  # a stop does not rewrite why it failed
+    assert services.carry_out_stops(later) == 0
+
+
+def test_an_operator_stop_is_carried_out_after_the_trainers_grace_even_without_its_task(
+        cluster, django_capture_on_commit_callbacks):
+    job, _ = launched(cluster)
+    Job.objects.filter(pk=job.pk).update(status=JobStatus.RUNNING)
+    job.refresh_from_db()
+    with django_capture_on_commit_callbacks(execute=False):
+        cmd = job_services.stop_job(job=job, requested_by=None)
+    soon = timezone.now() + services.STOP_BACKSTOP_AFTER + timedelta(seconds=1)
+    assert services.carry_out_stops(soon) == 0  # the trainer still has its grace period
+    due = soon + timedelta(seconds=job_services.launcher_port.TRAINER_STOP_GRACE_S)
+    assert services.carry_out_stops(due) == 1
+    assert cluster.pod_names(job.pk) == []
+    assert Job.objects.get(pk=job.pk).status == JobStatus.STOPPED
+    assert Command.objects.get(pk=cmd.pk).status == "done"
+    assert services.carry_out_stops(due) == 0

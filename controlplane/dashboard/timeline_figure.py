@@ -1,0 +1,380 @@
+"""The recovery timeline figure: one lane per rank (grouped by node) and a job lane, phase bars,
+restart-cycle bands, fault markers and operator commands, downsampled so a long job stays light.
+
+The spans it draws come from ``timeline.py`` (facts -> phases); the words and number formats from
+``charts.py``.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from controlplane.dashboard.charts import BASE_LAYOUT, LAYER_NAMES, fmt_s, hms, ms
+from controlplane.dashboard.timeline import (
+    CHECKPOINT_LOAD,
+    CHECKPOINT_SAVE,
+    DEAD,
+    HUNG,
+    PHASES,
+    RESTARTING,
+    STARTING,
+    TRAINING,
+    Span,
+)
+
+MAX_SPANS = 400  # per lane (job-wide counts as one lane)
+MAX_BINS = 600
+MAX_FAULT_MARKERS = 500
+MAX_LABELLED = 25
+
+PHASE_COLORS = {
+    TRAINING: "#9ad0a6",
+    STARTING: "#c9c9c9",
+    CHECKPOINT_SAVE: "#4e79a7",
+    CHECKPOINT_LOAD: "#b07aa1",
+    RESTARTING: "#f28e2b",
+    HUNG: "#edc948",
+    DEAD: "#c0392b",
+}
+# When a bin holds several phases, the most alarming wins; a save must cover a quarter of the bin.
+PRIORITY = (DEAD, HUNG, RESTARTING, CHECKPOINT_LOAD, STARTING, CHECKPOINT_SAVE)
+MIN_COVER = {CHECKPOINT_SAVE: 0.25}
+LAYER_COLORS = {"in_process": "#59a14f", "in_job": "#f28e2b", "job": "#e15759", "none": "#7f7f7f"}
+FAULT_COLORS = {
+    "exception": "#d62728",
+    "hang": "#bcbd22",
+    "process_killed": "#8c564b",
+    "nan_loss": "#e377c2",
+    "heartbeat_lost": "#7f7f7f",
+    "stalled": "#17becf",
+    "node_lost": "#1f1f1f",
+    "oom_killed": "#9467bd",
+    "evicted": "#ff7f0e",
+    "unschedulable": "#aec7e8",
+    "image_pull": "#98df8a",
+}
+
+
+def downsample_spans(
+    spans: list[Span], t0: float, t1: float, *, max_spans: int = MAX_SPANS, bins: int = MAX_BINS
+) -> list[Span]:
+    """Clip spans to [t0, t1]; a lane with more than ``max_spans`` overlay spans is binned.
+
+    Training is the background and is never binned. In a binned lane each bin shows the most
+    alarming phase present (a save must fill a quarter of the bin to show), and runs of equal bins
+    become one span labelled with the resolution, so zooming in (a narrower window) shows detail.
+    """
+    out: list[Span] = []
+    lanes: dict[int | None, list[Span]] = defaultdict(list)
+    for s in spans:
+        if s.end < t0 or s.start > t1:
+            continue
+        c = Span(max(s.start, t0), min(s.end, t1), s.phase, s.lane, s.label, s.open)
+        if c.phase == TRAINING:
+            out.append(c)
+        else:
+            lanes[c.lane].append(c)
+    width = (t1 - t0) / bins if t1 > t0 else 0.0
+    for lane, items in lanes.items():
+        if len(items) <= max_spans or width <= 0:
+            out.extend(items)
+            continue
+        cover: dict[str, list[float]] = defaultdict(lambda: [0.0] * bins)
+        open_phases: set[str] = set()
+        for s in items:
+            if s.open:
+                open_phases.add(s.phase)
+            i0 = min(bins - 1, int((s.start - t0) / width))
+            i1 = min(bins - 1, int((s.end - t0) / width))
+            row = cover[s.phase]
+            for i in range(i0, i1 + 1):
+                a = max(s.start, t0 + i * width)
+                b = min(s.end, t0 + (i + 1) * width)
+                row[i] += max(b - a, 1e-9)
+        chosen: list[str | None] = []
+        for i in range(bins):
+            pick = None
+            for phase in PRIORITY:
+                row = cover.get(phase)
+                if row and row[i] > 0 and row[i] >= MIN_COVER.get(phase, 0.0) * width:
+                    pick = phase
+                    break
+            chosen.append(pick)
+        i = 0
+        while i < bins:
+            if chosen[i] is None:
+                i += 1
+                continue
+            j = i
+            while j + 1 < bins and chosen[j + 1] == chosen[i]:
+                j += 1
+            phase = chosen[i]
+            a, b = t0 + i * width, t0 + (j + 1) * width
+            out.append(
+                Span(
+                    a,
+                    b,
+                    phase,
+                    lane,
+                    f"{phase} (summary at {fmt_s(width)} resolution: zoom in for detail)",
+                    open=phase in open_phases and j == bins - 1,
+                )
+            )
+            i = j + 1
+    return out
+
+
+# -- recovery timeline ----------------------------------------------------------------------------
+
+
+def timeline_figure(
+    *,
+    lanes: list[dict],
+    spans: list[Span],
+    faults: list[dict],
+    cycles: list[dict],
+    commands: list[dict],
+    t0: float,
+    t1: float,
+    now: float,
+) -> dict:
+    """Lanes: the job lane (y=0: cycles, commands, rank-less faults) then one per rank, grouped by node.
+
+    Returns ``{"figure": ..., "open": [[trace, point], ...], "now_ms": ...}``; the page extends the
+    open bars to the present while it follows live.
+    """
+    n = len(lanes)
+    lane_y = {ln["rank"]: i + 1 for i, ln in enumerate(lanes)}
+    traces: list[dict] = []
+    open_points: list[list[int]] = []
+    spans = downsample_spans(spans, t0, t1)
+    by_phase: dict[str, list[Span]] = defaultdict(list)
+    for s in spans:
+        by_phase[s.phase].append(s)
+    for phase in PHASES:
+        items = by_phase.get(phase)
+        if not items:
+            continue
+        y, base, length, width, text = [], [], [], [], []
+        for k, s in enumerate(items):
+            if s.lane is None:
+                y.append((n + 1) / 2)
+                width.append(max(n, 1))
+                who = "all ranks"
+            else:
+                y.append(lane_y.get(s.lane, 0))
+                width.append(0.8)
+                who = f"rank {s.lane}"
+            base.append(ms(s.start))
+            length.append(max(1, ms(s.end) - ms(s.start)))
+            dur = "running" if s.open else fmt_s(s.end - s.start)
+            text.append(
+                f"<b>{phase}</b> · {who}<br>{s.label}<br>{hms(s.start)} → "
+                f"{'now' if s.open else hms(s.end)} UTC ({dur})"
+            )
+            if s.open:
+                open_points.append([len(traces), k])
+        traces.append(
+            {
+                "type": "bar",
+                "orientation": "h",
+                "name": phase,
+                "legendgroup": "phase",
+                "y": y,
+                "base": base,
+                "x": length,
+                "width": width,
+                "marker": {"color": PHASE_COLORS[phase], "line": {"width": 0}},
+                "customdata": text,
+                "hovertemplate": "%{customdata}<extra></extra>",
+            }
+        )
+
+    shapes: list[dict] = []
+    by_layer: dict[str, list[dict]] = defaultdict(list)
+    for c in cycles:
+        start = c["start"]
+        if start is None or start > t1 or (c["first_step_at"] or now) < t0:
+            continue
+        by_layer[c["layer"]].append(c)
+        shapes.append(
+            {
+                "type": "rect",
+                "xref": "x",
+                "yref": "paper",
+                "x0": ms(start),
+                "x1": ms(c["first_step_at"] or now),
+                "y0": 0,
+                "y1": 1,
+                "fillcolor": LAYER_COLORS.get(c["layer"], "#7f7f7f"),
+                "opacity": 0.18,
+                "line": {"width": 1, "color": LAYER_COLORS.get(c["layer"], "#7f7f7f")},
+                "layer": "above",
+            }
+        )
+    labelled = sum(len(v) for v in by_layer.values()) <= MAX_LABELLED
+    for layer, items in by_layer.items():
+        d = [c["durations"] for c in items]
+        traces.append(
+            {
+                "type": "scatter",
+                "mode": "markers+text" if labelled else "markers",
+                "name": f"restart · {LAYER_NAMES.get(layer, layer)}",
+                "legendgroup": "cycle",
+                "x": [ms(c["start"]) for c in items],
+                "y": [0] * len(items),
+                "text": [f"{LAYER_NAMES.get(layer, layer)} {fmt_s(c['recovery_s'])}" for c in items],
+                "textposition": "middle right",
+                "textfont": {"size": 10},
+                "marker": {"symbol": "diamond", "size": 11, "color": LAYER_COLORS.get(layer, "#7f7f7f")},
+                "customdata": [
+                    f"<b>{c['title']}</b> at {hms(c['start'])} UTC"
+                    f"{'<br>' + c['reason'] if c['reason'] else ''}<br>"
+                    + " · ".join(f"{k.replace('_', ' ')} {fmt_s(v)}" for k, v in dd.items())
+                    + f"<br>recovery {fmt_s(c['recovery_s']) if c['first_step_at'] else 'in progress'}"
+                    + (f" · steps lost {c['lost_steps']}" if c["lost_steps"] is not None else "")
+                    for c, dd in zip(items, d, strict=True)
+                ],
+                "hovertemplate": "%{customdata}<extra></extra>",
+            }
+        )
+
+    visible = [f for f in faults if t0 <= f["at"] <= t1][-MAX_FAULT_MARKERS:]
+    by_class: dict[str, list[dict]] = defaultdict(list)
+    for f in visible:
+        by_class[f["fault_class"]].append(f)
+    labelled = len(visible) <= MAX_LABELLED
+    for cls, items in sorted(by_class.items()):
+        traces.append(
+            {
+                "type": "scatter",
+                "mode": "markers+text" if labelled else "markers",
+                "name": f"fault · {cls}",
+                "legendgroup": "fault",
+                "x": [ms(f["at"]) for f in items],
+                "y": [lane_y.get(f["rank"], 0) for f in items],
+                "text": [cls] * len(items) if labelled else None,
+                "textposition": "top center",
+                "textfont": {"size": 10, "color": FAULT_COLORS.get(cls, "#000")},
+                "marker": {
+                    "symbol": "x",
+                    "size": 12,
+                    "color": FAULT_COLORS.get(cls, "#000"),
+                    "line": {"width": 1, "color": "#000"},
+                },
+                "customdata": [
+                    f"<b>fault: {cls}</b> · rank {f['rank'] if f['rank'] is not None else '–'}"
+                    f"{' (' + f['node'] + ')' if f['node'] else ''}<br>at {hms(f['at'])} UTC · detected by "
+                    f"{f['detected_by']} after {fmt_s(f['detection_s'])}"
+                    f"{'<br>' + fault_outcome_words(f) if f['layer'] else ''}<br>{(f['message'] or '')[:160]}"
+                    for f in items
+                ],
+                "hovertemplate": "%{customdata}<extra></extra>",
+            }
+        )
+        if not labelled:
+            del traces[-1]["text"]
+
+    cmds = [c for c in commands if t0 <= c["issued_at"] <= t1]
+    if cmds:
+        traces.append(
+            {
+                "type": "scatter",
+                "mode": "markers",
+                "name": "operator command",
+                "legendgroup": "command",
+                "x": [ms(c["issued_at"]) for c in cmds],
+                "y": [0] * len(cmds),
+                "marker": {"symbol": "triangle-down", "size": 11, "color": "#333"},
+                "customdata": [f"<b>{c['summary']}</b><br>by {c['by']} · {c['status']}" for c in cmds],
+                "hovertemplate": "%{customdata}<extra></extra>",
+            }
+        )
+
+    # Node groups: a line between nodes, the node in each rank's tick label.
+    prev = None
+    for i, ln in enumerate(lanes):
+        if prev is not None and ln["node"] != prev:
+            shapes.append(
+                {
+                    "type": "line",
+                    "xref": "paper",
+                    "yref": "y",
+                    "x0": 0,
+                    "x1": 1,
+                    "y0": i + 0.5,
+                    "y1": i + 0.5,
+                    "line": {"color": "#555", "width": 1, "dash": "dot"},
+                }
+            )
+        prev = ln["node"]
+    # A rank's node shows once its first heartbeat names it; until then the lane is just the rank.
+    ticktext = ["job"] + [f"r{ln['rank']} · {ln['node']}" if ln["node"] else f"r{ln['rank']}" for ln in lanes]
+    plot_height = plot_height_for(n)
+    layout = {
+        **BASE_LAYOUT,
+        # The page keeps the plot area at plot_height whatever the legend takes (job.js keepPlotHeight);
+        # this first guess leaves room for a legend of about three rows.
+        "height": plot_height + LEGEND_GUESS_PX + 40,
+        "barmode": "overlay",
+        "bargap": 0,
+        "dragmode": "zoom",
+        "uirevision": "timeline",
+        "showlegend": True,
+        # Entries flow in rows ("normal" order; grouped legends stack each group as a tall column).
+        "legend": {
+            "orientation": "h",
+            "traceorder": "normal",
+            "x": 0,
+            "y": 1.0,
+            "yanchor": "bottom",
+            "font": {"size": 11},
+        },
+        "xaxis": {
+            "type": "date",
+            "range": [ms(t0), ms(t1)],
+            "title": {"text": "time (UTC)"},
+            "showgrid": True,
+            "gridcolor": "#eee",
+        },
+        "yaxis": {
+            "tickvals": list(range(n + 1)),
+            "ticktext": ticktext,
+            # A fixed range (reversed: the job lane on top) so every lane gets its share of plot_height;
+            # autorange would pad for marker labels and leave empty lanes' worth of space.
+            "autorange": False,
+            "fixedrange": True,
+            "tickfont": {"size": 10 if n > 16 else 11},
+            "range": [n + 0.6, -0.6],
+        },
+        "shapes": shapes,
+        "margin": {"l": 130, "r": 20, "t": 30, "b": 40},
+    }
+    return {
+        "figure": {"data": traces, "layout": layout},
+        "open": open_points,
+        "now_ms": ms(now),
+        "plot_height": plot_height,
+    }
+
+
+LEGEND_GUESS_PX = 70
+
+
+def fault_outcome_words(f: dict) -> str:
+    """The recovery part of a fault's hover, from the same outcome as the fault table's row."""
+    layer = LAYER_NAMES.get(f["layer"], f["layer"])
+    if f["recovery_s"] is not None:
+        rec = f"recovered by the {layer} layer in {fmt_s(f['recovery_s'])}"
+    else:
+        rec = f"{layer} restart in progress" if f["recovering"] else f"handled by the {layer} layer"
+    return rec + (f" · steps lost {f['lost_steps']}" if f["lost_steps"] is not None else "")
+
+
+def plot_height_for(lanes: int) -> int:
+    """Pixels of the plot area for ``lanes`` rank lanes plus the job lane: roomy for a few ranks,
+    compact (but readable) for many."""
+    per_lane = 26 if lanes <= 8 else 18 if lanes <= 32 else 14
+    return max(140, per_lane * (lanes + 1))
+
+
