@@ -8,27 +8,36 @@ Async saves run on their own gloo process group (sharing FSDP's group deadlocks:
 collectives interleave with FSDP's), with the THREAD executor and one persistent stager whose staging
 runs in the background; ``maybe_wait_for_staging()`` runs right before ``optimizer.step()`` because the
 step is what mutates the tensors being copied. At most one save is in flight.
+
+The staged host copy of the newest async save is also kept in memory (``MemorySnapshot``, one per
+process, so it outlives an in-process restart): ``load`` restores from it instead of the disk when
+every rank holds a complete snapshot of the same step and no durable checkpoint is newer. A snapshot
+is complete once its staging finished; while the next save is staging (the stager reuses its
+buffers) there is none, and the load falls back to the newest durable checkpoint.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import os
 import re
 import shutil
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ContextManager
 
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.tensor import DTensor
 
 from trainer.nvrx_compat import ITERATION_FILE
-from trainer.wire import CheckpointMode, CheckpointState, EventKind
+from trainer.wire import CheckpointMode, CheckpointState, EventKind, RestoredFrom
 
 log = logging.getLogger(__name__)
 
@@ -79,19 +88,77 @@ def dir_bytes(path: str) -> int:
     return total
 
 
-class TrainState(Stateful):
-    """Model + optimizer + data position (the step), as DCP saves and loads them."""
+class MemorySnapshot:
+    """This rank's newest complete staged copy of the state (host memory), with its step. Written by
+    the staging thread, read by ``Checkpointer.load``; one per process."""
 
-    def __init__(self, model: Any, optimizer: Any, step: int = 0):
-        self.model, self.optimizer, self.step = model, optimizer, step
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._step: int | None = None
+        self._state: dict[str, Any] | None = None
 
-    def state_dict(self) -> dict[str, Any]:
-        msd, osd = get_state_dict(self.model, self.optimizer)
-        return {"model": msd, "optim": osd, "step": self.step}
+    def staging(self) -> None:
+        """A save starts staging: the stager may overwrite the buffers the snapshot lives in."""
+        with self._lock:
+            self._step, self._state = None, None
 
-    def load_state_dict(self, sd: dict[str, Any]) -> None:
-        set_state_dict(self.model, self.optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
-        self.step = int(sd["step"])
+    def staged(self, step: int, state_dict: dict[str, Any]) -> None:
+        with self._lock:
+            self._step, self._state = step, state_dict
+
+    def get(self) -> tuple[int | None, dict[str, Any] | None]:
+        with self._lock:
+            return self._step, self._state
+
+
+def _copy_into(dst: Any, src: Any) -> Any:
+    """``src`` (a snapshot, left untouched) copied into ``dst`` (a fresh state dict of the same
+    shape, its tensors the live ones): tensors in place, everything else as a deep copy."""
+    if isinstance(src, dict):
+        out = dst if isinstance(dst, dict) else {}
+        for k, v in src.items():
+            out[k] = _copy_into(out.get(k), v)
+        return out
+    if isinstance(src, (list, tuple)):
+        olds = list(dst) if isinstance(dst, (list, tuple)) and len(dst) == len(src) else [None] * len(src)
+        items = [_copy_into(d, v) for d, v in zip(olds, src)]
+        return type(src)(items) if isinstance(src, tuple) else items
+    if isinstance(src, torch.Tensor):
+        local = src.to_local() if isinstance(src, DTensor) else src
+        if isinstance(dst, torch.Tensor):
+            target = dst.to_local() if isinstance(dst, DTensor) else dst
+            if target.shape == local.shape:
+                target.copy_(local)
+                return dst
+        return local.clone()
+    return copy.deepcopy(src)
+
+
+def _snapshot_stager(memory: MemorySnapshot | None) -> Any:
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    class SnapshotStager(DefaultStager):
+        """The async save's stager; a finished staging becomes the rank's memory snapshot."""
+
+        step: int | None = None
+
+        def stage(self, state_dict: Any, **kwargs: Any) -> Any:
+            if memory is None:
+                return super().stage(state_dict, **kwargs)
+            memory.staging()
+            step = self.step
+            fut = super().stage(state_dict, **kwargs)
+
+            def done(f: Any) -> None:
+                if step is not None and f.exception() is None:
+                    memory.staged(step, f.result())
+            fut.add_done_callback(done)
+            return fut
+
+    # CPU: no pinned/shared memory, no non-blocking copies (they need an accelerator). Staging runs in
+    # the background and overlaps the next forward/backward.
+    return SnapshotStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False,
+                                         use_async_staging=True, use_non_blocking_copy=False))
 
 
 @dataclass(slots=True)
@@ -108,53 +175,67 @@ class Checkpointer:
 
     def __init__(self, *, root: str, mode: CheckpointMode, keep: int, pg: Any, report: Callable[..., None],
                  atomic: Callable[[], ContextManager[Any]] = contextlib.nullcontext,
-                 section: Callable[[str], ContextManager[Any]] = lambda name: contextlib.nullcontext()):
-        self.root, self.mode, self.keep, self.pg = root, mode, keep, pg
+                 memory: MemorySnapshot | None = None):
+        self.root, self.mode, self.keep, self.pg, self.memory = root, mode, keep, pg, memory
+        self.restored_from: RestoredFrom | None = None  # where the last load came from
         self.rank = dist.get_rank(pg)
-        self._report, self._atomic, self._section = report, atomic, section
+        self._report, self._atomic = report, atomic
         self._in_flight: _InFlight | None = None
         self._stager: Any = None
         os.makedirs(root, exist_ok=True)
 
     # -- load ---------------------------------------------------------------------------------------
 
-    def load(self, state: TrainState) -> int | None:
-        """Load the newest durable checkpoint into ``state``; return its step (None: fresh start).
+    def load(self, state: Stateful) -> int | None:
+        """Restore ``state`` from the memory snapshot or the newest durable checkpoint; return its step
+        (None: fresh start). ``restored_from`` says which.
 
-        Rank 0 chooses (so every rank loads the same one even if a listing races a commit) and also
-        reports and removes torn checkpoints left by a restart: they were abandoned, never loaded.
+        Rank 0 chooses the durable one (so every rank loads the same one even if a listing races a
+        commit) and also reports and removes torn checkpoints left by a restart: they were abandoned,
+        never loaded. One gather of (snapshot step, rank 0's choice) lets every rank agree: memory only
+        when every rank's snapshot has the same step, at least the durable one's.
         """
-        choice: list[int | None] = [None]
+        self.restored_from = None
+        durable: int | None = None
         if self.rank == 0:
-            choice[0] = latest_durable(self.root)
-            for step, path, durable in list_checkpoints(self.root):
-                if not durable and (choice[0] is None or step > choice[0]):
+            durable = latest_durable(self.root)
+            for step, path, ok in list_checkpoints(self.root):
+                if not ok and (durable is None or step > durable):
                     self._emit(step=step, mode=None, state=CheckpointState.ABANDONED, detail="torn by a restart")
                     shutil.rmtree(path, ignore_errors=True)
-        dist.broadcast_object_list(choice, src=0, group=self.pg)
-        step = choice[0]
-        if step is None:
+        snap_step, snap = self.memory.get() if self.memory is not None else (None, None)
+        views: list[Any] = [None] * dist.get_world_size(self.pg)
+        dist.all_gather_object(views, (snap_step, durable), group=self.pg)
+        durable = views[0][1]
+        steps = {v[0] for v in views}
+        mem_step = steps.pop() if len(steps) == 1 else None
+        if mem_step is not None and snap is not None and (durable is None or mem_step >= durable):
+            target = {"app": state.state_dict()}
+            state.load_state_dict(_copy_into(target, snap)["app"])
+            self.restored_from = RestoredFrom.MEMORY
+            return state.step
+        if durable is None:
             return None
-        with self._section("checkpoint"):
-            dcp.load({"app": state}, checkpoint_id=step_dir(self.root, step), process_group=self.pg)
+        dcp.load({"app": state}, checkpoint_id=step_dir(self.root, durable), process_group=self.pg)
+        self.restored_from = RestoredFrom.DISK
         return state.step
 
     # -- save ---------------------------------------------------------------------------------------
 
-    def save(self, state: TrainState, step: int, *, mode: CheckpointMode | None = None) -> None:
+    def save(self, state: Stateful, step: int, *, mode: CheckpointMode | None = None) -> None:
         mode = mode or self.mode
         self.wait()  # at most one save in flight
         state.step = step
         path = step_dir(self.root, step)
         t0 = time.perf_counter()
-        with self._section("checkpoint"):
-            if mode == CheckpointMode.SYNC:
-                dcp.save({"app": state}, checkpoint_id=path, process_group=self.pg)
-                blocking = time.perf_counter() - t0
-                self._commit(step, mode, blocking_s=blocking, write_s=blocking)
-                return
-            resp = dcp.async_save({"app": state}, checkpoint_id=path, process_group=self.pg,
-                                  async_stager=self._get_stager())
+        if mode == CheckpointMode.SYNC:
+            dcp.save({"app": state}, checkpoint_id=path, process_group=self.pg)
+            blocking = time.perf_counter() - t0
+            self._commit(step, mode, blocking_s=blocking, write_s=blocking)
+            return
+        stager = self._get_stager()
+        stager.step = step
+        resp = dcp.async_save({"app": state}, checkpoint_id=path, process_group=self.pg, async_stager=stager)
         blocking = time.perf_counter() - t0
         self._in_flight = _InFlight(step=step, response=resp, started_at=t0, blocking_s=blocking,
                                     staged=not hasattr(resp, "staging_completion"))
@@ -219,12 +300,7 @@ class Checkpointer:
 
     def _get_stager(self) -> Any:
         if self._stager is None:
-            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
-            # CPU: no pinned/shared memory, no non-blocking copies (they need an accelerator). Staging
-            # runs in the background and overlaps the next forward/backward.
-            self._stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False,
-                                                        use_async_staging=True, use_non_blocking_copy=False))
+            self._stager = _snapshot_stager(self.memory)
         return self._stager
 
     def _commit(self, step: int, mode: CheckpointMode, *, blocking_s: float, write_s: float) -> None:

@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 from trainer.wire import CheckpointMode, DrillFault
 
 PRESETS = ("tiny", "small", "1b")
-FT_MODES = ("heartbeats", "sections")
 ALL_RANKS = -1
 
 
@@ -67,7 +66,6 @@ class TrainConfig:
 
     in_process: bool = True
     max_in_process_restarts: int = 16
-    ft_mode: str = "heartbeats"
     soft_timeout: float = 5.0
     hard_timeout: float = 10.0
     step_timeout: float = 30.0
@@ -103,8 +101,6 @@ class TrainConfig:
             raise ValueError("--keep-ckpts must be >= 1")
         if self.max_in_process_restarts < 0:
             raise ValueError("--max-in-process-restarts must be >= 0")
-        if self.ft_mode not in FT_MODES:
-            raise ValueError(f"--ft-mode: choose one of {', '.join(FT_MODES)}")
         for flag, v in (("--soft-timeout", self.soft_timeout), ("--hard-timeout", self.hard_timeout),
                         ("--step-timeout", self.step_timeout), ("--ckpt-timeout", self.ckpt_timeout),
                         ("--startup-timeout", self.startup_timeout)):
@@ -136,7 +132,7 @@ class TrainConfig:
         """Validate the timeouts between the layers: soft < hard < in-job (ft) timeouts.
 
         The in-process layer must get its chance before ft_launcher kills the ranks, so the launcher's
-        step heartbeat/section timeout must exceed the hard timeout when both layers are on.
+        step heartbeat timeout must exceed the hard timeout when both layers are on.
         """
         if in_job and self.in_process and not self.hard_timeout < self.step_timeout:
             raise ValueError(
@@ -171,7 +167,7 @@ def _read_token(env: dict[str, str]) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m trainer", description="FSDP2 trainer that survives faults.")
+    p = argparse.ArgumentParser(prog="python -m trainer.shim", description="The flags of one rank of a job.")
     a = p.add_argument
     a("--preset", default="tiny", help="model size: tiny | small | 1b")
     a("--steps", type=int, default=100)
@@ -185,11 +181,10 @@ def build_parser() -> argparse.ArgumentParser:
     a("--in-process", action=argparse.BooleanOptionalAction, default=True,
       help="NVRx in-process restart (inprocess.Wrapper)")
     a("--max-in-process-restarts", type=int, default=16)
-    a("--ft-mode", default="heartbeats", help="in-job liveness signal: heartbeats | sections")
     a("--soft-timeout", type=float, default=5.0, help="in-process: no progress for S s -> restart in process")
     a("--hard-timeout", type=float, default=10.0, help="in-process: no progress for S s -> kill the rank")
-    a("--step-timeout", type=float, default=30.0, help="in-job: heartbeat / 'step' section timeout")
-    a("--ckpt-timeout", type=float, default=120.0, help="in-job: 'checkpoint' section timeout (save/load)")
+    a("--step-timeout", type=float, default=30.0, help="in-job: ft_launcher heartbeat timeout")
+    a("--ckpt-timeout", type=float, default=120.0, help="in-job: how long a save or load may keep a rank silent")
     a("--startup-timeout", type=float, default=120.0, help="in-job: timeout until the first heartbeat")
     a("--drill", action="append", default=[], metavar="STEP:FAULT:RANK",
       help=f"scheduled fault drill (repeatable); FAULT in {', '.join(DrillFault)}; RANK a number or '*'")
@@ -213,7 +208,7 @@ def parse_config(argv: list[str] | None = None, env: dict[str, str] | None = Non
     return TrainConfig(
         preset=ns.preset, steps=ns.steps, batch_size=ns.batch_size, lr=ns.lr, seed=ns.seed, device=ns.device,
         ckpt_interval=ns.ckpt_interval, ckpt_mode=ns.ckpt_mode, keep_ckpts=ns.keep_ckpts,
-        in_process=ns.in_process, max_in_process_restarts=ns.max_in_process_restarts, ft_mode=ns.ft_mode,
+        in_process=ns.in_process, max_in_process_restarts=ns.max_in_process_restarts,
         soft_timeout=ns.soft_timeout, hard_timeout=ns.hard_timeout, step_timeout=ns.step_timeout,
         ckpt_timeout=ns.ckpt_timeout, startup_timeout=ns.startup_timeout,
         drills=tuple(Drill.parse(d) for d in ns.drill),

@@ -2,9 +2,10 @@
 
 Commands arrive in ingest responses on every rank's reporter thread, re-sent until acknowledged. Rank 0
 is the one authority: its inbox dedupes by id (also across restarts, via ``commands_done.json`` in the
-run dir), and every step it broadcasts the next command (4 int64 on a small gloo group) so that all
-ranks act on it at the same step. Rank 0 acknowledges before acting, so an in-job exit cannot lose the
-ack (unsent events are spooled and replayed by the next process).
+run dir), and about every ``AGREE_EVERY_S`` it broadcasts the next command (5 int64 on a small gloo
+group, collected a few steps later) so that all ranks act on it at the same step. Rank 0 acknowledges
+before acting, so an in-job exit cannot lose the ack (unsent events are spooled and replayed by the
+next process).
 
 Drills fire once per run: a fired drill is written (fsync) to ``drills_fired_r<rank>`` before it fires,
 so a restart that resumes from an earlier checkpoint does not fire it again.
@@ -73,6 +74,7 @@ class CommandInbox:
                 self._done: set[int] = set(json.load(f))
         except (OSError, ValueError):
             self._done = set()
+        self._acked: set[int] = set()
 
     def offer(self, commands: list[dict[str, Any]]) -> None:
         with self._lock:
@@ -91,6 +93,14 @@ class CommandInbox:
         """The oldest pending command, left pending."""
         with self._lock:
             return self._pending[min(self._pending)] if self._pending else None
+
+    def first_ack(self, cid: int) -> bool:
+        """True the first time in this process: a command re-posted after an in-process restart (its
+        round was never collected) is acknowledged once."""
+        with self._lock:
+            first = cid not in self._acked
+            self._acked.add(cid)
+            return first
 
     def done(self, cid: int) -> None:
         """Never offer ``cid`` again, in this process or the next one of this rank."""
@@ -165,7 +175,6 @@ class Control:
                  in_job: bool, ack: Callable[[int, bool, str], None]):
         self.inbox, self.pg, self.rank, self.world_size = inbox, pg, rank, world_size
         self.in_process, self.in_job, self._ack = in_process, in_job, ack
-        self._buf = torch.zeros(4, dtype=torch.int64)
         self._work: Any = None
         self._posted: torch.Tensor | None = None
         self._bufs = (torch.zeros(5, dtype=torch.int64), torch.zeros(5, dtype=torch.int64))
@@ -177,7 +186,9 @@ class Control:
         """``agree`` for the SDK's loop, off the step's critical path. A round is posted at step P and
         collected (and acted on, by every rank) at step P + k, so a rank waits only when a peer is more
         than k steps behind. k is fixed per attempt by rank 0 in the first round: about
-        ``AGREE_EVERY_S`` of steps (a command waits at most about twice that)."""
+        ``AGREE_EVERY_S`` of steps (a command waits at most about twice that). Rank 0 marks a command
+        done when its round is collected, so one posted in a round that a fault cut short is posted
+        again by the next attempt."""
         decision = NOTHING
         if step < self._due:
             return decision
@@ -188,15 +199,20 @@ class Control:
             decision = decode(vec[:4])
             if self._every is None:
                 self._every = int(vec[4])
+            self._collected(decision)
         buf = self._bufs[self._round % 2]
         self._round += 1
         buf.zero_()
         if self.rank == 0:
-            cmd = self.inbox.take() if self.inbox is not None else None
+            cmd = self.inbox.peek() if self.inbox is not None else None
             if cmd is not None:
+                cid = int(cmd["id"])
                 vec, detail = encode(cmd, in_process=self.in_process, in_job=self.in_job,
                                      world_size=self.world_size)
-                self._ack(int(cmd["id"]), not detail, detail or "accepted")
+                if self.inbox.first_ack(cid):
+                    self._ack(cid, not detail, detail or "accepted")
+                if detail:
+                    self.inbox.done(cid)  # refused: nothing to act on
                 buf[:4] = torch.tensor(vec, dtype=torch.int64)
             buf[4] = 1 if not step_time_s else max(1, min(50, int(AGREE_EVERY_S / step_time_s)))
         if self.world_size > 1:
@@ -208,27 +224,19 @@ class Control:
                 self._every = int(buf[4])
             if decision is NOTHING:
                 decision = decode(buf.tolist()[:4])
+                self._collected(decision)
             self._due = step + self._every
         return decision
+
+    def _collected(self, decision: Decision) -> None:
+        if self.rank == 0 and decision.command_id and self.inbox is not None:
+            self.inbox.done(decision.command_id)
 
     def drain(self) -> None:
         """Collect an outstanding overlapped broadcast (before the group goes away)."""
         if self._work is not None:
             self._work.wait()
             self._work = None
-
-    def agree(self) -> Decision:
-        if self.rank == 0:
-            self._buf.zero_()
-            cmd = self.inbox.take() if self.inbox is not None else None
-            if cmd is not None:
-                vec, detail = encode(cmd, in_process=self.in_process, in_job=self.in_job,
-                                     world_size=self.world_size)
-                self._ack(int(cmd["id"]), not detail, detail or "accepted")
-                self._buf.copy_(torch.tensor(vec, dtype=torch.int64))
-        if self.world_size > 1:
-            dist.broadcast(self._buf, src=0, group=self.pg)
-        return decode(self._buf.tolist())
 
 
 class Drills:
@@ -239,19 +247,11 @@ class Drills:
         self._drills = drills
         self._path = os.path.join(run_dir, f"drills_fired_r{initial_rank}")
         self._record_fault = record_fault
-        self._nan_armed = False
         try:
             with open(self._path, encoding="utf-8") as f:
                 self._fired = {line.strip() for line in f if line.strip()}
         except OSError:
             self._fired = set()
-
-    def before_step(self, step: int, *, rank: int, hang_pg: Any, world_size: int) -> None:
-        for d in self._drills:
-            if d.step == step and d.rank in (rank, ALL_RANKS) and d.key not in self._fired:
-                self._remember(d.key)
-                self.fire(d.fault, rank=rank, hang_pg=hang_pg, world_size=world_size,
-                          message=f"drill {d.key}")
 
     def due(self, step: int, *, rank: int) -> list[Drill]:
         """Drills for ``rank`` at or before ``step`` not fired yet, marked fired (user code reports
@@ -276,14 +276,6 @@ class Drills:
             time.sleep(1e9)  # one C call (also what a 1-rank world gets)
         if fault == DrillFault.SIGKILL:
             os.kill(os.getpid(), signal.SIGKILL)
-        if fault == DrillFault.NAN_LOSS:
-            self._nan_armed = True
-
-    def corrupt(self, loss: torch.Tensor) -> torch.Tensor:
-        if self._nan_armed:
-            self._nan_armed = False
-            return loss * float("nan")
-        return loss
 
     def _remember(self, key: str) -> None:
         self._fired.add(key)

@@ -1,16 +1,18 @@
 """The SDK's full level (Level 2): the user's training function is what the restart layers re-enter.
 
 ``unbroken.entrypoint`` / ``unbroken.run`` land here. Under the product (the shim started this process)
-the function runs inside the same resilience layers as the built-in model (``trainer.resilience``:
-the NVRx in-process Wrapper when the job has in-process restarts, ft_launcher heartbeats), and its
+the function runs inside the resilience layers (``trainer.resilience``: the NVRx in-process Wrapper
+when the job has in-process restarts, ft_launcher heartbeats), and its
 ``Context`` gives it, per attempt: the process group (``init_process_group``), restore and async DCP
 saves of registered state (``checkpoint``), and a per-step call (``step``) that reports, fires drills
 and agrees on commands across ranks. Outside the product the context does only what the script needs
-to run at all (create the process group) and every other call is a no-op.
+to run at all (create the process group) and every other call is a no-op. The built-in demo job is
+such a function too (``trainer/examples/synthetic.py``): there is no other training loop.
 """
 
 from __future__ import annotations
 
+import datetime
 import logging
 import math
 import os
@@ -26,7 +28,8 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from trainer.checkpoint import Checkpointer
 from trainer.control import EXIT_RESTART_IN_JOB, Control, NanLossError, RestartRequested, ack_event
-from trainer.runtime import RankEnv, Session
+from trainer.config import TrainConfig
+from trainer.runtime import RankEnv, Session, connect_store
 from trainer.usercode import UserRun
 from trainer.wire import CheckpointMode, CommandKind, CycleMark, DrillFault, EventKind, FaultClass, Layer, Phase
 
@@ -37,6 +40,33 @@ PING_EVERY_S = 0.2
 PG_BEFORE_ENTRYPOINT = (
     "unbroken: a process group exists before the entrypoint runs. Create it inside the entrypoint with "
     "ctx.init_process_group(), not before it: an in-process restart re-creates it for every attempt.")
+
+
+def pick_device(cfg: TrainConfig, env: RankEnv) -> torch.device:
+    if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise ValueError("--device cuda: no CUDA device is visible; use --device cpu")
+        torch.cuda.set_device(env.local_rank)
+        return torch.device("cuda", env.local_rank)
+    return torch.device("cpu")
+
+
+def init_distributed(session: Session, iteration: int) -> tuple[Any, Any]:
+    """Default process group on a fresh app-store prefix, plus two gloo groups of our own.
+
+    The checkpoint group keeps async DCP's collectives off FSDP's group (sharing it deadlocks); the
+    control group carries the per-step command agreement without syncing a GPU stream.
+    """
+    cfg, env = session.cfg, session.env
+    prefix = f"pg/a{cfg.attempt}/ij{env.restart_count}/ip{iteration}"
+    store = dist.PrefixStore(prefix, session.app_store)
+    backend = "nccl" if session.device.type == "cuda" else "gloo"
+    # A collective may wait at most this long; the layers' own timeouts are shorter and fire first.
+    timeout = datetime.timedelta(seconds=max(60.0, 2 * cfg.step_timeout))
+    kwargs: dict[str, Any] = {"device_id": session.device} if backend == "nccl" else {}
+    dist.init_process_group(backend, store=store, rank=RankEnv.rank(), world_size=int(os.environ["WORLD_SIZE"]),
+                            timeout=timeout, **kwargs)
+    return dist.new_group(backend="gloo", timeout=timeout), dist.new_group(backend="gloo", timeout=timeout)
 
 
 class _RankRng(Stateful):
@@ -97,11 +127,16 @@ class CheckpointAPI:
         self._state: _AppState | None = None
         self._checkpointer: Checkpointer | None = None
         self._overlap = False  # the loop calls wait_for_staging(): staging may overlap the next step
+        #: Where ``restore`` got the state: "memory" (an in-process restart, from the newest async
+        #: save's staged copy, when every rank holds the same step), "disk", or None (a fresh start).
+        self.restored_from: str | None = None
 
     def restore(self, *, model: Any = None, optim: Any = None, **stateful: Any) -> int:
-        """Register what a checkpoint holds and load the newest durable one; return the step to resume
-        from (0 on a fresh start). ``model``/``optim``: your (FSDP2) module and optimizer; any other
-        keyword: an object with ``state_dict()``/``load_state_dict()`` (a data loader, a scheduler).
+        """Register what a checkpoint holds and load the newest state; return the step to resume from
+        (0 on a fresh start). After an in-process restart the state comes from memory (the newest async
+        save's staged copy) when every rank has it, else from the newest durable checkpoint.
+        ``model``/``optim``: your (FSDP2) module and optimizer; any other keyword: an object with
+        ``state_dict()``/``load_state_dict()`` (a data loader, a scheduler).
 
             start = ctx.checkpoint.restore(model=model, optim=optimizer, sampler=sampler)
         """
@@ -118,12 +153,13 @@ class CheckpointAPI:
         self._state = _AppState(model=model, optim=optim, extra=stateful, rank=dist.get_rank())
         self._checkpointer = Checkpointer(root=s.cfg.ckpt_dir, mode=s.cfg.ckpt_mode, keep=s.cfg.keep_ckpts,
                                           pg=ctx.ckpt_pg, report=s.reporter.event, atomic=ctx.scope.atomic,
-                                          section=s.ft.section)
+                                          memory=s.snapshot)
         s.checkpointer = self._checkpointer
         s.reporter.heartbeat(step=0, phase=Phase.CHECKPOINT_LOAD)
         with ctx._impl.keep_alive():  # type: ignore[union-attr]
             start = self._checkpointer.load(self._state) or 0
-        s.mark(ctx.cycle, CycleMark.CHECKPOINT_LOADED, step=start)
+        self.restored_from = self._checkpointer.restored_from
+        s.mark(ctx.cycle, CycleMark.CHECKPOINT_LOADED, step=start, restored_from=self.restored_from)
         ctx.resumed_from = start
         return start
 
@@ -213,8 +249,6 @@ class Context:
             if not dist.is_initialized():
                 dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo")
             return
-        from trainer.train import init_distributed
-
         self.ckpt_pg, self._ctl_pg = init_distributed(self.session, self.iteration)
         s = self.session
         rank = dist.get_rank()
@@ -234,6 +268,8 @@ class Context:
         assert impl is not None
         if self._control is None:
             raise RuntimeError("unbroken: call ctx.init_process_group() before ctx.step(...)")
+        if self.checkpoint._checkpointer is not None:  # commit a finished save before anything can fail
+            self.checkpoint._checkpointer.poll()
         rank = dist.get_rank()
         s.last_step = step  # completed: a fault from here on (a drill, a NaN) is at this step
         for d in impl.drills.due(step, rank=rank):
@@ -260,8 +296,6 @@ class Context:
         if self._first:
             self._first = False
             s.mark(self.cycle, CycleMark.FIRST_STEP, step=step)
-        if self.checkpoint._checkpointer is not None:
-            self.checkpoint._checkpointer.poll()
         decision = self._control.agree_overlapped(step, dt)
         if decision.kind is None:
             return
@@ -306,12 +340,13 @@ def run(fn: Callable[[Context], Any], impl: UserRun | None) -> Any:
         raise RuntimeError(PG_BEFORE_ENTRYPOINT)
     if impl is None:
         return fn(Context(session=None, scope=None, impl=None))
-    from trainer.__main__ import pick_device
     from trainer.resilience import NullFt, wrap_loop
 
     impl.upgrade(level=2)
     cfg, env = impl.cfg, impl.env
-    session = Session(cfg=cfg, env=env, reporter=impl.reporter, app_store=impl.app_store,
+    # Started alone (no trainer.launch hosting the stores): rank 0 hosts the app store.
+    app_store = impl.app_store if impl.app_store is not None else connect_store(env, env.app_store_port)
+    session = Session(cfg=cfg, env=env, reporter=impl.reporter, app_store=app_store,
                       ft=impl.ft or NullFt(), inbox=impl.inbox if env.initial_rank == 0 else None,
                       device=pick_device(cfg, env))
 

@@ -5,19 +5,21 @@
 
     python -m trainer.launch ... --entrypoint train.py [--workdir DIR] -- <trainer flags> -- <script args>
 
-With ``--entrypoint`` the ranks run the user's own code (``trainer.shim``) instead of the built-in model;
-a script that cannot start (syntax error, missing import) ends the launch once with exit status 3 and
-its traceback as a fault, instead of a restart per round.
+The ranks run the user's code under ``trainer.shim``: ``--entrypoint``, or without it the built-in demo
+job (``trainer/examples/synthetic.py``, a Level-2 example like any user's; the trainer flags --preset,
+--steps, --batch-size, --lr, --seed and --log-every become its arguments). A script that cannot start
+(syntax error, missing import) ends the launch once with exit status 3 and its traceback as a fault,
+instead of a restart per round.
 
 What it does, in order:
 
-1. Validates the trainer flags (same parser as ``python -m trainer``) and the layer timeouts, and refuses
+1. Validates the trainer flags (same parser as ``python -m trainer.shim``) and the layer timeouts, and refuses
    what the installed NVRx cannot run, before any process starts (exit 2).
 2. On node 0 it hosts the app store (rdzv port + 1) and the NVRx Wrapper store (rdzv port + 2), so no
    rank is a single point of failure. Other nodes connect to HOST:PORT+1/+2. The rendezvous itself
    stays on PORT (hosted by the node-0 agent). Ranks also use ephemeral gloo ports and MASTER_PORT.
 3. Runs NVRx ``ft_launcher`` in this process with hooks on its agent (--in-job: group restarts up to
-   K times, heartbeat or section timeouts derived from the trainer's), or ``torch.distributed.run``
+   K times, heartbeat timeouts derived from the trainer's), or ``torch.distributed.run``
    with --max-restarts 0 (--no-in-job). Launcher facts (failed rank, exit code/signal, restart
    count, restart duration) go to the control plane as events with source "launcher".
 4. SIGTERM/SIGINT stop the workers (torchelastic's handlers) and whatever is left of this process's
@@ -75,6 +77,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 # Exit status of a launch whose user code cannot start (retrying it cannot help); 2 = bad flags.
 EXIT_CANNOT_START = 3
+# What a job without an entrypoint runs: the demo model, through the same shim and SDK as users' code.
+BUILTIN_ENTRYPOINT = "trainer.examples.synthetic:train"
+
+
+def builtin_args(cfg: TrainConfig) -> list[str]:
+    """The built-in example's arguments, from the trainer flags that describe the model and its run."""
+    args = ["--preset", cfg.preset, "--steps", str(cfg.steps), "--lr", repr(cfg.lr), "--seed", str(cfg.seed),
+            "--log-every", str(cfg.log_every)]
+    return args + (["--batch-size", str(cfg.batch_size)] if cfg.batch_size else [])
 
 
 def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str], TrainConfig]:
@@ -109,15 +120,15 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str], TrainConfig]:
     cfg.check_layers(in_job=ns.in_job, world_size=ns.nnodes * ns.nproc_per_node)
     if ns.workdir is not None and not os.path.isdir(ns.workdir):
         raise ValueError(f"--workdir {ns.workdir}: no such directory")
-    nvrx_compat.check_supported(in_process=cfg.in_process, in_job=ns.in_job, ft_mode=cfg.ft_mode,
+    nvrx_compat.check_supported(in_process=cfg.in_process, in_job=ns.in_job,
                                 max_no_progress_restarts=ns.max_no_progress_restarts)
+    if ns.entrypoint is None:
+        ns.entrypoint, ns.user_args = BUILTIN_ENTRYPOINT, builtin_args(cfg)
     return ns, trainer_args, cfg
 
 
 def rank_program(ns: argparse.Namespace, trainer_args: list[str]) -> list[str]:
-    """What each rank runs: ``-m trainer <flags>``, or the user's code under ``trainer.shim``."""
-    if ns.entrypoint is None:
-        return ["-m", "trainer", *trainer_args]
+    """What each rank runs: the entrypoint under ``trainer.shim``."""
     return ["-m", "trainer.shim", *trainer_args, "--", ns.entrypoint, *ns.user_args]
 
 
@@ -163,11 +174,6 @@ def launcher_args(ns: argparse.Namespace, cfg: TrainConfig, trainer_args: list[s
         "max_no_progress_cycles": str(ns.max_no_progress_restarts),
         "checkpoint_iteration_file": os.path.join(cfg.ckpt_dir, nvrx_compat.ITERATION_FILE),
     }
-    if cfg.ft_mode == "sections":
-        # Heartbeats still flow once per step; the sections carry the tight limits.
-        ft["rank_heartbeat_timeout"] = str(cfg.step_timeout + cfg.ckpt_timeout)
-        ft["rank_section_timeouts"] = f"step:{cfg.step_timeout},checkpoint:{cfg.ckpt_timeout}"
-        ft["rank_out_of_section_timeout"] = str(cfg.startup_timeout)
     out = [*common, f"--max-restarts={ns.max_restarts}"]
     for name, value in ft.items():
         flag = nvrx_compat.launcher_flag(name)
@@ -375,10 +381,7 @@ def main(argv: list[str] | None = None) -> int:
         hooks.install(nvrx_compat.launcher_agent_class())
         run_launcher = None
         if os.environ.get("UNBROKEN_FORK_RANKS", "1") != "0":
-            if ns.entrypoint is None:
-                from trainer.__main__ import entry
-            else:
-                from trainer.shim import entry
+            from trainer.shim import entry
             run_launcher = nvrx_compat.launcher_main_forked(entry, preload=[entry.__module__])
         name = f"ft_launcher (nvidia-resiliency-ext {nvrx_compat.version_str()})"
         if run_launcher is None:

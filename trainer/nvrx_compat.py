@@ -12,7 +12,7 @@ on those details goes through here:
 - ``wrapper_kwargs(**kw)``: Wrapper arguments filtered to what this release's constructor accepts
   (a required one missing raises, naming the setting).
 - ``launcher_flag(name)``: the spelling of an ft_launcher flag this release understands.
-- ``check_supported(in_process=, in_job=, ft_mode=)``: refuse a config the release cannot run, with
+- ``check_supported(in_process=, in_job=)``: refuse a config the release cannot run, with
   the flag that turns the feature off.
 - ``launcher_main_forked(entrypoint)``: ft_launcher's ``main`` with the ranks started as a Python
   callable from a warm fork server, where the release has the torchrun-style API for it (else None).
@@ -112,17 +112,7 @@ def has_fault_tolerance() -> bool:
     return True
 
 
-@functools.cache
-def has_sections() -> bool:
-    if not has_fault_tolerance():
-        return False
-    from nvidia_resiliency_ext.fault_tolerance import RankMonitorClient
-
-    return hasattr(RankMonitorClient, "start_section") and hasattr(RankMonitorClient, "end_section")
-
-
-def check_supported(*, in_process: bool, in_job: bool, ft_mode: str = "heartbeats",
-                    max_no_progress_restarts: int = 0) -> None:
+def check_supported(*, in_process: bool, in_job: bool, max_no_progress_restarts: int = 0) -> None:
     v = version()
     if not v:
         if in_process or in_job:
@@ -137,9 +127,6 @@ def check_supported(*, in_process: bool, in_job: bool, ft_mode: str = "heartbeat
                               "(inprocess.Wrapper); pass --no-in-process")
     if in_job and not has_fault_tolerance():
         raise UnsupportedNvrx(f"nvidia-resiliency-ext {version_str()} has no ft_launcher; pass --no-in-job")
-    if in_job and ft_mode == "sections" and not has_sections():
-        raise UnsupportedNvrx(f"nvidia-resiliency-ext {version_str()} has no section API; "
-                              "pass --ft-mode heartbeats")
     problems = spec_problems(version_str(), max_no_progress_restarts=max_no_progress_restarts)
     for name, problem in problems.items():
         raise UnsupportedNvrx(f"--{name.replace('_', '-')}: {problem}")
@@ -169,9 +156,6 @@ _LAUNCHER_FLAGS: dict[str, tuple[str, ...]] = {
     "initial_rank_heartbeat_timeout": ("--ft-initial-rank-heartbeat-timeout",
                                        "--ft-param-initial_rank_heartbeat_timeout"),
     "rank_heartbeat_timeout": ("--ft-rank-heartbeat-timeout", "--ft-param-rank_heartbeat_timeout"),
-    "rank_section_timeouts": ("--ft-rank-section-timeouts", "--ft-param-rank_section_timeouts"),
-    "rank_out_of_section_timeout": ("--ft-rank-out-of-section-timeout",
-                                    "--ft-param-rank_out_of_section_timeout"),
     "enable_nic_monitor": ("--ft-enable-nic-monitor", "--ft-param-enable-nic-monitor"),
     "restart_policy": ("--ft-restart-policy", "--restart-policy"),
     "log_level": ("--ft-log-level", "--ft-param-log_level"),
@@ -198,7 +182,7 @@ def launcher_main() -> Any:
 def launcher_main_forked(entrypoint: Any, *, preload: list[str]) -> Any:
     """ft_launcher's ``main`` (same argv, same exit codes) that starts each rank as ``entrypoint(*args)``
     in a process forked from a multiprocessing fork server which imported ``preload`` once, instead of
-    a fresh ``python -m trainer`` per rank and restart: an in-job restart then skips ~2 s of imports
+    a fresh ``python -m trainer.shim`` per rank and restart: an in-job restart then skips ~2 s of imports
     (torch, DTensor, DCP) per rank. Everything after ``-m <module>`` in argv becomes ``args``.
 
     Needs the release's torchrun-style internals (``parse_args``, ``config_from_args``,

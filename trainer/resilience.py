@@ -6,8 +6,8 @@
   rank waiting in a collective; (2) ``progress_watchdog_interval`` > ``monitor_process_interval``, or
   the monitor process never evaluates the soft/hard timeouts; (3) the Wrapper store lives outside the
   ranks (``trainer.launch``), so losing rank 0 does not take it down. No CUDA health checks on CPU.
-- In-job (NVRx ``ft_launcher``): ranks send heartbeats or open/close sections ("step", "checkpoint");
-  the launcher's rank monitors kill a silent group and restart it.
+- In-job (NVRx ``ft_launcher``): ranks send heartbeats; the launcher's rank monitors kill a silent
+  group and restart it.
 
 NB: no ``from __future__ import annotations`` here: NVRx finds the CallWrapper parameter by its
 annotation object.
@@ -19,14 +19,14 @@ import logging
 import os
 import socket
 import threading
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Optional
 
 import psutil
 import torch
 import torch.distributed as dist
 
 from trainer import nvrx_compat
-from trainer.runtime import RankEnv, Session, take_fault
+from trainer.runtime import Session, take_fault
 from trainer.wire import CycleMark, EventKind, FaultClass, Layer
 
 log = logging.getLogger(__name__)
@@ -58,20 +58,16 @@ class NullFt:
     def heartbeat(self) -> None:
         pass
 
-    def section(self, name: str) -> contextlib.AbstractContextManager:
-        return contextlib.nullcontext()
-
     def stop(self) -> None:
         pass
 
 
 class FtClient:
-    """Liveness for ft_launcher: a heartbeat per step, or "step"/"checkpoint" sections with their own timeouts."""
+    """Liveness for ft_launcher: heartbeats to this rank's monitor."""
 
-    def __init__(self, mode: str):
+    def __init__(self) -> None:
         from nvidia_resiliency_ext.fault_tolerance import RankMonitorClient
 
-        self.sections = mode == "sections"
         self._client = RankMonitorClient()
 
     def start(self) -> None:
@@ -80,17 +76,7 @@ class FtClient:
         self._client.init_workload_monitoring()
 
     def heartbeat(self) -> None:
-        if not self.sections:
-            self._client.send_heartbeat()
-
-    @contextlib.contextmanager
-    def section(self, name: str) -> Iterator[None]:
-        if not self.sections:
-            yield
-            return
-        self._client.start_section(name)
-        yield
-        self._client.end_section(name)
+        self._client.send_heartbeat()
 
     def stop(self) -> None:
         if self._client.is_initialized:
@@ -128,9 +114,6 @@ class PacedFt:
         """Keep sending until ``until`` (monotonic seconds) whether or not the loop progresses."""
         self._alive_until = until
 
-    def section(self, name: str) -> contextlib.AbstractContextManager:
-        return contextlib.nullcontext()
-
     def stop(self) -> None:
         self._stop.set()
         with self._lock:
@@ -147,10 +130,6 @@ class PacedFt:
             with self._lock:
                 with contextlib.suppress(Exception):
                     self._client.heartbeat()
-
-
-def make_ft(env: RankEnv, mode: str) -> Any:
-    return FtClient(mode) if env.in_job else NullFt()
 
 
 # -- in-process: NVRx Wrapper and its hooks -------------------------------------------------------------

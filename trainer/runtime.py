@@ -7,7 +7,7 @@ included - never takes them down):
 - P+1: the app store (process-group rendezvous per iteration, fault facts, anything the ranks share)
 - P+2: the NVRx in-process Wrapper store
 
-Without ``trainer.launch`` (``python -m trainer`` alone) rank 0 hosts both at MASTER_PORT+1/+2.
+Without ``trainer.launch`` (``python -m trainer.shim`` alone) rank 0 hosts both at MASTER_PORT+1/+2.
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ def host_store(host: str, port: int) -> dist.TCPStore:
 
 def connect_store(env: RankEnv, port: int, timeout_s: float = 300.0) -> dist.TCPStore:
     if not env.stores_external and env.initial_rank == 0 and port == env.app_store_port:
-        return host_store("0.0.0.0", port)  # noqa: S104 - plain `python -m trainer`: rank 0 hosts
+        return host_store("0.0.0.0", port)  # noqa: S104 - a shim started alone: rank 0 hosts
     return dist.TCPStore(env.store_host, port, is_master=False, use_libuv=True,
                          timeout=datetime.timedelta(seconds=timeout_s))
 
@@ -129,7 +129,10 @@ class Session:
                  inbox: Any, device: torch.device):
         self.cfg, self.env, self.reporter, self.app_store = cfg, env, reporter, app_store
         self.ft, self.inbox, self.device = ft, inbox, device
+        from trainer.checkpoint import MemorySnapshot  # DCP: only in ranks, never in the launcher
+
         self.checkpointer: Any = None  # the current iteration's, for the finalize hook
+        self.snapshot = MemorySnapshot()  # the newest staged state, for in-process restarts
         self.iteration = 0
         self.last_loss: float | None = None
         # The rank's last completed step (the checkpoint's step right after a restore): a fault's facts
@@ -148,7 +151,7 @@ class Session:
         return None
 
     def mark(self, cycle: Cycle | None, mark: CycleMark, *, step: int | None = None, at: float | None = None,
-             rank: int | None = None, command_id: int | None = None) -> None:
+             rank: int | None = None, command_id: int | None = None, restored_from: str | None = None) -> None:
         if mark == CycleMark.CHECKPOINT_LOADED and step is not None:
             self.last_step = step
         if cycle is None:
@@ -158,6 +161,8 @@ class Session:
             data["step"] = step
         if command_id is not None:
             data["command_id"] = command_id
+        if restored_from is not None:
+            data["restored_from"] = restored_from
         self.reporter.event(EventKind.CYCLE, data, at=at, **({} if rank is None else {"rank": rank}))
 
     def record_fault(self, fault: FaultClass | str, message: str, *, kind: str = "fault",

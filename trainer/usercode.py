@@ -341,7 +341,11 @@ class UserRun:
                              message=pending[1])
 
     def _commands(self) -> None:
-        """Act on commands at a step boundary: every rank receives them; rank 0 (or the target) acks."""
+        """Act on commands at a step boundary: every rank receives them; rank 0 (or the target) acks.
+        Before the first step nothing acts: the code may still be importing, and one that reaches
+        ``unbroken.run`` leaves its commands to the SDK's full level (agreed across ranks)."""
+        if self.level == 0 and not self.progress_seen:
+            return
         cmd = self.inbox.peek()
         if cmd is None:
             return
@@ -408,7 +412,7 @@ class UserRun:
             from trainer.resilience import FtClient, PacedFt
 
             try:
-                self.ft = PacedFt(FtClient("heartbeats"))
+                self.ft = PacedFt(FtClient())
                 self.ft.start()
             except Exception:
                 log.warning("ft_launcher heartbeats unavailable", exc_info=True)

@@ -142,6 +142,13 @@ class CommandKind(StrEnum):
     INJECT_FAULT = "inject_fault"
 
 
+class RestoredFrom(StrEnum):
+    """Where a restart's state came from (the ``checkpoint_loaded_at`` cycle mark's ``restored_from``)."""
+
+    MEMORY = "memory"  # the newest staged snapshot in host memory (in-process restarts)
+    DISK = "disk"  # the newest durable checkpoint
+
+
 class EventKind(StrEnum):
     """What an event's ``data`` holds, by kind:
 
@@ -149,7 +156,8 @@ class EventKind(StrEnum):
     - ``rank_finished``: step, loss (final)
     - ``fault``: fault (FaultClass), cycle, message, detected_by (a Layer or "trainer"/"launcher")
     - ``cycle``: cycle (key shared by every rank and the launcher), layer, mark (CycleMark),
-      step (for restarted/checkpoint_loaded: the step resumed from)
+      step (for restarted/checkpoint_loaded: the step resumed from), restored_from (checkpoint_loaded:
+      RestoredFrom)
     - ``checkpoint``: step, mode, state, blocking_s, write_s, bytes
     - ``command_ack``: command_id, ok (bool), detail
     - ``launcher``: message (free-form facts only the launcher sees: exit codes, signals)
@@ -436,7 +444,7 @@ _DURATION = DataField("number", maximum=MAX_DURATION_S)
 # What the control plane reads from each kind's ``data`` (other keys are stored as they are).
 EVENT_DATA: dict[str, dict[str, DataField]] = {
     EventKind.CYCLE: {"cycle": DataField("string", required=True, max_len=64), "mark": _choice(CycleMark, True),
-                      "layer": _choice(Layer), "step": _STEP,
+                      "layer": _choice(Layer), "step": _STEP, "restored_from": _choice(RestoredFrom),
                       "command_id": DataField("integer", maximum=MAX_COMMAND_ID)},
     EventKind.FAULT: {"fault": _choice(FaultClass, True), "cycle": DataField("string", max_len=64),
                       "detected_by": DataField("string", max_len=40),

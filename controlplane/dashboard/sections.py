@@ -219,6 +219,7 @@ def _cycle_dicts(job: Job, lo: datetime | None = None, hi: datetime | None = Non
                 "aborted_at": ts(c.aborted_at),
                 "restarted_at": ts(c.restarted_at),
                 "checkpoint_loaded_at": ts(c.checkpoint_loaded_at),
+                "restored_from": c.restored_from,
                 "first_step_at": ts(c.first_step_at),
                 "start": ts(c.start_at),
                 "durations": c.durations(),

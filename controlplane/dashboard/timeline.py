@@ -121,7 +121,7 @@ def job_spans(
                     stop or end,
                     CHECKPOINT_LOAD,
                     None,
-                    f"{key}: loading checkpoint",
+                    f"{key}: restoring from {c.get('restored_from') or 'checkpoint'}",
                     open=stop is None and is_open,
                 )
             )

@@ -316,6 +316,7 @@ def _apply_cycles(job: Job, cycle_events: list[Any], fault_events: list[Any],
     at_fault: dict[str, int] = {}
     reasons: dict[str, str] = {}
     commands: dict[str, int] = {}
+    restored: dict[str, str] = {}
     for e in cycle_events:
         key, mark, at = e.data["cycle"], e.data["mark"], hb_store.utc(e.at)
         m = marks.setdefault(key, {})
@@ -333,6 +334,8 @@ def _apply_cycles(job: Job, cycle_events: list[Any], fault_events: list[Any],
                 at_fault.setdefault(key, step)
             elif mark == CycleMark.FIRST_STEP:
                 first_steps[key] = step
+        if mark == CycleMark.CHECKPOINT_LOADED and e.data.get("restored_from"):
+            restored[key] = e.data["restored_from"]
     for e in fault_events:  # a fault names its cycle: the cycle exists and started no later than it
         key = e.data.get("cycle")
         if not key:
@@ -361,6 +364,8 @@ def _apply_cycles(job: Job, cycle_events: list[Any], fault_events: list[Any],
             qs.update(resumed_from_step=resumed[k])
         elif k in first_steps:  # Level 0/1: no checkpoint step; the first step after the restart follows it
             qs.filter(resumed_from_step__isnull=True).update(resumed_from_step=max(0, first_steps[k] - 1))
+        if k in restored:
+            qs.update(restored_from=restored[k])
         if k in at_fault:
             qs.filter(step_at_fault__isnull=True).update(step_at_fault=at_fault[k])
         if k in reasons:

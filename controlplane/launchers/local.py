@@ -100,7 +100,8 @@ class LocalLauncher:
         env = {
             **os.environ,
             **spec.env,
-            "PYTHONPATH": str(settings.BASE_DIR),
+            # This tree's trainer and SDK (``unbroken`` lives in trainer/), whatever the venv installed.
+            "PYTHONPATH": os.pathsep.join((str(settings.BASE_DIR), str(settings.BASE_DIR / "trainer"))),
             "PYTHONUNBUFFERED": "1",
             "OMP_NUM_THREADS": "1",
             "TORCH_CPP_LOG_LEVEL": "ERROR",

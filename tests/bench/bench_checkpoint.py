@@ -32,8 +32,9 @@ def worker(run_dir: str, repeats: int, window: int) -> None:
     import torch.distributed as dist
     import torch.nn.functional as F
 
-    from trainer.checkpoint import Checkpointer, TrainState
-    from trainer.model import PRESETS, build_model, make_batch
+    from trainer.checkpoint import Checkpointer
+    from trainer.examples.synthetic import PRESETS, build_model, make_batch
+    from trainer.fullrun import _AppState
     from trainer.wire import CheckpointMode
 
     dist.init_process_group("gloo")
@@ -42,7 +43,7 @@ def worker(run_dir: str, repeats: int, window: int) -> None:
     preset = PRESETS["small"]
     model = build_model(preset, seed=0, device=torch.device("cpu"))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    state = TrainState(model, opt)
+    state = _AppState(model=model, optim=opt, extra={}, rank=rank)  # what the SDK saves
     events: list[dict] = []
     ck = Checkpointer(root=os.path.join(run_dir, "checkpoints"), mode=CheckpointMode.ASYNC, keep=2, pg=ckpt_pg,
                       report=lambda kind, data: events.append(data))

@@ -1,15 +1,24 @@
 """Recovery benchmark: fault -> first completed step after the restart, by fault class and layer.
 
-Real launches (`python -m trainer.launch`, 2 ranks, tiny preset, gloo on CPU). Each run schedules
-N drills of one fault (steps 12, 22, 32, ...; checkpoints every 5 steps), so one run yields N
-recoveries; the time of each is first_step_at (latest rank) - fault_at of its cycle, from the events
-the trainer and launcher report to a local sink. A job-level restart (new processes + checkpoint
-reload, as the control plane does with --attempt) is timed from the launch command to its first
-step. The reporter's added time per step is its p99 call time for one heartbeat + one event.
+Real launches (`python -m trainer.launch`, 2 ranks, gloo on CPU), the time of each recovery being
+first_step_at (latest rank) - fault_at of its cycle, from the events the trainer and launcher report
+to a local sink.
+
+1. The default job spec (the demo's: tiny preset, checkpoints every 20 steps, async, its timeouts;
+   the trainer flags come from the control plane's own ``trainer_args``), with drills at spread offsets
+   from the last save (1 step after it, while its async save is in flight, up to 19): in-process
+   (exception and nan_loss, 8 each), in-job (sigkill, 8), a hang, and job-level restarts (new
+   processes + checkpoint reload, as the control plane does with --attempt, timed from the launch
+   command to its first step). memory_restore_share: in-process recoveries restored from memory.
+2. The former fixed-offset shape, for comparison: N drills per fault at steps 12, 22, 32, ...,
+   checkpoints every 5 steps (each fault two steps after a save).
 
     python tests/bench/bench_recovery.py [--n 5]
 
-Last line: in_process_s=<X> in_job_s=<Y> job_s=<Z> hang_s=<W>  (medians)
+Last two lines (2, then 1; medians, p50 and p95 of recovery seconds):
+    in_process_s=<X> in_job_s=<Y> job_s=<Z> hang_s=<W>
+    in_process_p50_s=<A> in_process_p95_s=<B> in_job_p50_s=<C> in_job_p95_s=<D> job_s=<E> hang_s=<F> \
+memory_restore_share=<G>
 """
 
 from __future__ import annotations
@@ -28,6 +37,56 @@ from tests.trainer.conftest import Receiver, launch  # noqa: E402
 
 SOFT = 3.0
 BASE = ["--ckpt-interval", "5", "--soft-timeout", str(SOFT), "--hard-timeout", "8"]
+
+
+# Fault steps as offsets from the last save (the default spec saves every 20 steps).
+OFFSETS = (1, 3, 6, 9, 12, 15, 17, 19)
+
+
+def default_flags(drills: list[tuple[int, str, int]], steps: int) -> list[str]:
+    """The trainer flags the control plane gives a job with the default spec and these drills."""
+    from controlplane.jobs.spec import Drill, JobSpec
+    from controlplane.launchers.command import trainer_args
+
+    spec = JobSpec(steps=steps, drills=tuple(Drill(step=s, fault=f, rank=r) for s, f, r in drills))
+    return trainer_args(spec)
+
+
+def restored_from(events: list[dict]) -> dict[str, set[str]]:
+    out: dict[str, set[str]] = {}
+    for e in events:
+        if e["kind"] == "cycle" and e["data"]["mark"] == "checkpoint_loaded_at" and e["data"].get("restored_from"):
+            out.setdefault(e["data"]["cycle"], set()).add(e["data"]["restored_from"])
+    return out
+
+
+def run_default(fault: str, offsets: tuple[int, ...], *, interval: int = 20) -> tuple[list[float], list[str]]:
+    """One job with the default spec and a drill at each offset after a save: (recoveries, restored_from
+    of the in-process ones)."""
+    drills = [(interval * (i + 1) + off, fault, 1) for i, off in enumerate(offsets)]
+    flags = default_flags(drills, steps=interval * (len(offsets) + 1) + interval // 2)
+    recv = Receiver().start()
+    try:
+        run_dir = Path(tempfile.mkdtemp(prefix=f"bench-default-{fault}-"))
+        run = launch(run_dir, trainer_flags=flags, report_url=recv.url, max_restarts=len(offsets) + 1,
+                     timeout_s=600, report_interval=1.0)
+        (run_dir / "launch.log").write_text(run.log)
+        time.sleep(0.5)
+        if run.rc != 0:
+            print(run.log[-3000:], file=sys.stderr)
+            raise SystemExit(f"default spec, {fault}: run failed (rc {run.rc})")
+        events = recv.events()
+        layers = layers_of(events)
+        sources = restored_from(events)
+        in_process = [next(iter(sources.get(c, {"none"}))) for c, ls in layers.items() if ls == {"in_process"}]
+        return recoveries(events), in_process
+    finally:
+        recv.stop()
+
+
+def p95(xs: list[float]) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, round(0.95 * (len(xs) - 1)))]
 
 
 def recoveries(events: list[dict]) -> list[float]:
@@ -73,18 +132,21 @@ def run_drills(fault: str, n: int, *, in_process: bool = True) -> list[float]:
         recv.stop()
 
 
-def run_job_restarts(n: int) -> list[float]:
+def run_job_restarts(n: int, base: list[str] = BASE, start: int = 10) -> list[float]:
     run_dir = Path(tempfile.mkdtemp(prefix="bench-job-"))
-    first = launch(run_dir, trainer_flags=[*BASE, "--steps", "10"], in_job=False)
+    first = launch(run_dir, trainer_flags=[*base, "--steps", str(start)], in_job=False)
     assert first.rc == 0, first.log[-2000:]
     out = []
     for attempt in range(1, n + 1):
         recv = Receiver().start()
         try:
             t0 = time.time()
-            run = launch(run_dir, trainer_flags=[*BASE, "--steps", str(10 + attempt)], in_job=False,
+            run = launch(run_dir, trainer_flags=[*base, "--steps", str(start + attempt)], in_job=False,
                          attempt=attempt, report_url=recv.url)
-            assert run.rc == 0, run.log[-2000:]
+            if run.rc != 0:  # a figure, not a test: say so and keep the other samples
+                (run_dir / f"attempt-{attempt}.log").write_text(run.log)
+                print(f"  note: job restart attempt {attempt} failed (rc {run.rc}; log: {run_dir})", flush=True)
+                continue
             time.sleep(0.3)
             firsts = [e["at"] for e in recv.events("cycle") if e["data"]["cycle"] == f"job{attempt}"
                       and e["data"]["mark"] == "first_step_at"]
@@ -118,13 +180,13 @@ def reporter_p99_ms(n: int = 20000) -> float:
 
 
 def fmt(xs: list[float]) -> str:
+    if not xs:
+        return "no samples"
     return f"median {statistics.median(xs):.2f} s  (n={len(xs)}: {', '.join(f'{x:.2f}' for x in sorted(xs))})"
 
 
-def main() -> int:
-    p = argparse.ArgumentParser()
-    p.add_argument("--n", type=int, default=5)
-    n = p.parse_args().n
+def fixed_offsets(n: int) -> str:
+    """The former benchmark: N drills per fault two steps after a save (every 5 steps)."""
     results: dict[str, list[float]] = {}
     for fault in ("exception", "nan_loss", "hang", "hang_collective"):
         results[f"in_process {fault}"] = run_drills(fault, n)
@@ -136,11 +198,41 @@ def main() -> int:
     results["job"] = run_job_restarts(n)
     print(f"job         {'new processes':16s} {fmt(results['job'])}  (launch -> first step after reload)",
           flush=True)
+    med = {k: statistics.median(v) if v else float("nan") for k, v in results.items()}
+    return (f"in_process_s={med['in_process exception']:.2f} in_job_s={med['in_job sigkill']:.2f} "
+            f"job_s={med['job']:.2f} hang_s={med['in_process hang']:.2f}")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--n", type=int, default=5, help="drills per fault in the fixed-offset comparison")
+    n = p.parse_args().n
+    print("default job spec, faults at offsets", OFFSETS, "after a save (every 20 steps)", flush=True)
+    in_process: list[float] = []
+    sources: list[str] = []
+    for fault in ("exception", "nan_loss"):
+        rec, src = run_default(fault, OFFSETS)
+        in_process += rec
+        sources += src
+        print(f"in_process  {fault:16s} {fmt(rec)}  restored from: {', '.join(src)}", flush=True)
+    in_job, _ = run_default("sigkill", OFFSETS)
+    print(f"in_job      {'sigkill':16s} {fmt(in_job)}", flush=True)
+    hang, _ = run_default("hang", OFFSETS[2:4])
+    print(f"in_process  {'hang':16s} {fmt(hang)}", flush=True)
+    flags = default_flags([], steps=20)
+    i = flags.index("--steps")
+    job = run_job_restarts(3, base=flags[:i] + flags[i + 2:], start=20)  # run_job_restarts sets --steps
+    print(f"job         {'new processes':16s} {fmt(job)}  (launch -> first step after reload)", flush=True)
+    share = sources.count("memory") / len(sources) if sources else 0.0
+    print("\nfixed offsets (the former benchmark), for comparison", flush=True)
+    old = fixed_offsets(n)
     p99 = reporter_p99_ms()
     print(f"reporter p99 added time per step: {p99:.4f} ms (heartbeat + event)", flush=True)
-    med = {k: statistics.median(v) for k, v in results.items()}
-    print(f"in_process_s={med['in_process exception']:.2f} in_job_s={med['in_job sigkill']:.2f} "
-          f"job_s={med['job']:.2f} hang_s={med['in_process hang']:.2f}", flush=True)
+    print(old, flush=True)
+    print(f"in_process_p50_s={statistics.median(in_process):.2f} in_process_p95_s={p95(in_process):.2f} "
+          f"in_job_p50_s={statistics.median(in_job):.2f} in_job_p95_s={p95(in_job):.2f} "
+          f"job_s={statistics.median(job) if job else float('nan'):.2f} hang_s={statistics.median(hang):.2f} "
+          f"memory_restore_share={share:.2f}", flush=True)
     return 0
 
 

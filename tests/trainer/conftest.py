@@ -93,7 +93,7 @@ class Receiver:
 def child_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("UNBROKEN_", "TORCHELASTIC_", "FT_"))}
     env.update(OMP_NUM_THREADS="1", TORCH_CPP_LOG_LEVEL="ERROR", PYTHONUNBUFFERED="1",
-               PYTHONPATH=str(ROOT), **extra)
+               PYTHONPATH=os.pathsep.join((str(ROOT), str(ROOT / "trainer"))), **extra)
     return env
 
 

@@ -31,10 +31,12 @@ def test_it_only_counts_committed_checkpoints_with_metadata(tmp_path):
 
 
 def train(run_dir, steps, url=None):
-    cmd = [PYTHON, "-m", "trainer", "--run-dir", str(run_dir), "--steps", str(steps), "--ckpt-interval", "5",
-           "--keep-ckpts", "2", "--no-in-process", "--log-every", "0"]
+    """The built-in example alone (a 1-rank world), under the shim as the launcher runs it."""
+    cmd = [PYTHON, "-m", "trainer.shim", "--run-dir", str(run_dir), "--ckpt-interval", "5", "--keep-ckpts", "2",
+           "--no-in-process"]
     if url:
         cmd += ["--report-url", url, "--job-id", "1", "--report-interval", "0.1"]
+    cmd += ["--", "trainer.examples.synthetic:train", "--steps", str(steps), "--log-every", "0"]
     p = subprocess.run(cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=180)
     assert p.returncode == 0, p.stdout + p.stderr
     return p.stdout + p.stderr
@@ -62,3 +64,64 @@ def test_it_skips_a_torn_checkpoint_and_resumes_from_the_newest_durable(tmp_path
     for e in ckpt_events:
         if e["state"] == "durable":
             assert e["bytes"] > 0 and e["write_s"] >= 0 and e["blocking_s"] >= 0 and e["mode"] in ("sync", "async")
+
+
+@pytest.fixture
+def one_rank_world():
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield dist.new_group(backend="gloo")
+    dist.destroy_process_group()
+
+
+def _app(seed):
+    import torch
+    from torch.distributed.fsdp import fully_shard
+
+    from trainer.fullrun import _AppState
+
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
+    fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.randn(3, 8)).sum().backward()
+    opt.step()
+    return _AppState(model=model, optim=opt, extra={}, rank=0), model, opt
+
+
+def _weights(model):
+    return [p.full_tensor().clone() for p in model.parameters()]
+
+
+def test_it_restores_from_the_memory_snapshot_only_when_it_is_complete_and_newest(tmp_path, one_rank_world):
+    from trainer.checkpoint import Checkpointer, MemorySnapshot
+    from trainer.wire import CheckpointMode
+
+    memory = MemorySnapshot()
+    state, model, opt = _app(0)
+    ck = Checkpointer(root=str(tmp_path), mode=CheckpointMode.ASYNC, keep=2, pg=one_rank_world,
+                      report=lambda *a, **k: None, memory=memory)
+    ck.save(state, 5)
+    ck.wait()
+    saved = _weights(model)
+    assert memory.get()[0] == 5
+
+    # A new attempt: a fresh model and optimizer (another seed: other weights) take the snapshot's state.
+    state2, model2, opt2 = _app(1)
+    assert any(not a.equal(b) for a, b in zip(saved, _weights(model2)))
+    ck2 = Checkpointer(root=str(tmp_path), mode=CheckpointMode.ASYNC, keep=2, pg=one_rank_world,
+                       report=lambda *a, **k: None, memory=memory)
+    assert ck2.load(state2) == 5 and ck2.restored_from == "memory"
+    assert all(a.equal(b) for a, b in zip(saved, _weights(model2)))
+    snap_model = memory.get()[1]["app"]["model"]
+    assert all(v.to_local().data_ptr() != p.to_local().data_ptr()  # a copy, not the live tensors
+               for v, p in zip(snap_model.values(), model2.parameters()))
+
+    ck2.save(state2, 7, mode=CheckpointMode.SYNC)  # durable 7 is newer than the snapshot (5): the disk wins
+    assert ck2.load(_app(2)[0]) == 7 and ck2.restored_from == "disk"
+    memory.staged(9, memory.get()[1])
+    memory.staging()  # a save started staging over the snapshot's buffers: no snapshot
+    assert ck2.load(_app(3)[0]) == 7 and ck2.restored_from == "disk"
+    ck.close()
+    ck2.close()

@@ -25,7 +25,6 @@ def cfg(*flags, env=None):
     (["--drill", "12:boom:1"], "--drill"),
     (["--drill", "12:exception"], "--drill"),
     (["--steps", "10", "--drill", "12:exception:1"], "--drill"),
-    (["--ft-mode", "pings"], "--ft-mode"),
 ])
 def test_it_names_the_flag_to_fix(flags, flag):
     with pytest.raises(ValueError, match=flag):
@@ -73,18 +72,18 @@ def test_it_validates_the_launch_command():
 
 def test_it_builds_ft_launcher_flags_from_trainer_timeouts():
     ns, targs, c = parse(["--nproc-per-node", "2", "--rdzv-endpoint", "h:29400", "--max-restarts", "4",
-                          "--run-dir", "/tmp/x", "--job-id", "9", "--", "--ft-mode", "sections",
+                          "--run-dir", "/tmp/x", "--job-id", "9", "--",
                           "--step-timeout", "20", "--ckpt-timeout", "50"])
     args = launcher_args(ns, c, targs)
-    assert "--max-restarts=4" in args and "-m" in args and args[args.index("-m") + 1] == "trainer"
-    assert "--ft-rank-section-timeouts=step:20.0,checkpoint:50.0" in args
+    assert "--max-restarts=4" in args and "-m" in args and args[args.index("-m") + 1] == "trainer.shim"
+    assert "--ft-rank-heartbeat-timeout=20.0" in args
     assert "--ft-enable-nic-monitor=false" in args
     ns, targs, c = parse(["--no-in-job", "--run-dir", "/tmp/x"])
     assert "--max-restarts=0" in launcher_args(ns, c, targs)
 
 
 def test_it_refuses_what_the_installed_nvrx_cannot_run(monkeypatch):
-    nvrx_compat.check_supported(in_process=True, in_job=True, ft_mode="sections")
+    nvrx_compat.check_supported(in_process=True, in_job=True)
     monkeypatch.setattr(nvrx_compat, "has_inprocess", lambda: False)
     with pytest.raises(ValueError, match="--no-in-process"):
         nvrx_compat.check_supported(in_process=True, in_job=False)

@@ -43,7 +43,10 @@ def test_it_recovers_and_matches_the_uninterrupted_loss(tmp_path, receiver, base
     marks = cycle_marks(receiver.events(), cycle)
     for m in ("fault_at", "detected_at", "aborted_at", "restarted_at", "checkpoint_loaded_at", "first_step_at"):
         assert m in marks, (m, sorted(marks))
-    assert marks["checkpoint_loaded_at"]["data"]["step"] == 10  # the newest durable checkpoint before step 12
+    loaded = marks["checkpoint_loaded_at"]["data"]
+    assert loaded["step"] == 10  # the newest save before step 12
+    # In process: the save's staged copy in memory; new processes: the durable checkpoint.
+    assert loaded["restored_from"] == ("memory" if layer == "in_process" else "disk")
     # The step at the fault is the trainer's last completed step (12 steps done when the drill fires).
     assert f["step"] == 12 and marks["fault_at"]["data"]["step"] == 12
     assert marks["fault_at"]["at"] <= marks["detected_at"]["at"] <= marks["first_step_at"]["at"]

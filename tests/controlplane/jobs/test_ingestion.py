@@ -31,12 +31,13 @@ def test_it_opens_a_cycle_and_recovers_with_a_notification():
                         cycle_ev("c2", "a0-ij0-ip1", "detected_at", t + 1)])
     job.refresh_from_db()
     assert job.status == "recovering"
-    record(job, events=[cycle_ev("c3", "a0-ij0-ip1", "checkpoint_loaded_at", t + 3, step=20),
+    record(job, events=[cycle_ev("c3", "a0-ij0-ip1", "checkpoint_loaded_at", t + 3, step=20, restored_from="memory"),
                         cycle_ev("c4", "a0-ij0-ip1", "first_step_at", t + 5, step=21)])
     job.refresh_from_db()
     assert job.status == "running"
     c = RestartCycle.objects.get(job=job)
     assert (c.layer, c.step_at_fault, c.resumed_from_step, c.lost_steps) == ("in_process", 40, 20, 20)
+    assert c.restored_from == "memory"
     assert c.recovery_s == pytest.approx(5, abs=1e-3)
     n = Notification.objects.get(job=job)
     assert n.transition == "recovered" and "recovered in 5.0 s" in n.payload["text"]
