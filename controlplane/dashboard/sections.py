@@ -270,10 +270,11 @@ def timeline_part(
         .select_related("cycle")
         .order_by("at", "id")
     ]
+    windows = outages.grace_windows(now) if job.is_active else []
     ranks = [
         {
             "rank": ln["rank"],
-            "health": ln["row"].health_at(now) if ln["row"] else "ok",
+            "health": health.judge(ln["row"], now, windows) if ln["row"] else "ok",
             "last_heartbeat_at": ts(ln["row"].last_heartbeat_at) if ln["row"] else None,
             "step_changed_at": ts(ln["row"].step_changed_at) if ln["row"] else None,
         }

@@ -13,7 +13,7 @@ from datetime import datetime
 
 from django.db.models import Count
 
-from controlplane.jobs import health, heartbeats
+from controlplane.jobs import health, heartbeats, outages
 from controlplane.jobs.models import Event, Fault, Job, Rank, RestartCycle
 from trainer.wire import CheckpointState, EventKind
 
@@ -136,6 +136,7 @@ def rank_figures(job: Job, rows: Iterable[Rank | tuple[int, None]], now: datetim
     numbers = [r.rank if isinstance(r, Rank) else r[0] for r in rows]
     fresh = freshest(job, numbers) if job.is_active and numbers else {}
     timeouts = heartbeats.Timeouts.of(job.spec)
+    windows = outages.grace_windows(now) if job.is_active and numbers else []
     out = []
     for r, n in zip(rows, numbers, strict=True):
         if not isinstance(r, Rank):
@@ -144,7 +145,8 @@ def rank_figures(job: Job, rows: Iterable[Rank | tuple[int, None]], now: datetim
             continue
         r = health.current(r, fresh.get(r.rank), timeouts, now)  # the watchdog's own rule
         hb_at = r.last_heartbeat_at.timestamp() if r.last_heartbeat_at else None
-        out.append(RankFigures(rank=r.rank, node=r.node, health=r.health_at(now) if job.is_active else "stopped",
+        out.append(RankFigures(rank=r.rank, node=r.node,
+                               health=health.judge(r, now, windows) if job.is_active else "stopped",
                                hb_at=hb_at, phase=r.phase, step=r.last_step, loss=r.loss,
                                step_time_s=r.step_time_s, pid=r.pid))
     return out

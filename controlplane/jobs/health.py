@@ -11,7 +11,8 @@ from __future__ import annotations
 from datetime import datetime
 
 from controlplane.jobs.heartbeats import RankState, Timeouts, utc
-from controlplane.jobs.models import Rank
+from controlplane.jobs.models import Rank, RankHealth
+from controlplane.jobs.outages import grace_s
 from trainer.wire import Phase
 
 
@@ -40,9 +41,30 @@ def current(row: Rank, fresh: RankState | None, timeouts: Timeouts, now: datetim
     return r
 
 
-def rank_health(row: Rank, fresh: RankState | None, timeouts: Timeouts, now: datetime) -> str:
+def in_grace(row: Rank, windows: list[tuple[float, float]], now: datetime) -> bool:
+    """The rank's deadline, moved by the control plane's own outage time after its last heartbeat
+    (``windows``: ``outages.grace_windows``), is still ahead."""
+    if row.stale_at is None or not windows:
+        return False
+    t = now.timestamp()
+    since = (row.last_heartbeat_at or row.stale_at).timestamp()
+    return row.stale_at.timestamp() + grace_s(windows, since, t) >= t
+
+
+def judge(row: Rank, now: datetime, windows: list[tuple[float, float]] = ()) -> str:
+    """``Rank.health_at``, except that a rank past its deadline only because the control plane itself was
+    unavailable (outage grace) is late, not lost, until the watchdog claims it: what the page and the API
+    show is what the watchdog will do."""
+    h = row.health_at(now)
+    if h == RankHealth.LOST and row.lost_at is None and in_grace(row, windows, now):
+        return RankHealth.LATE
+    return h
+
+
+def rank_health(row: Rank, fresh: RankState | None, timeouts: Timeouts, now: datetime,
+                windows: list[tuple[float, float]] = ()) -> str:
     """A ``RankHealth`` value: the row with the store's newest beat, judged at ``now``."""
-    return current(row, fresh, timeouts, now).health_at(now)
+    return judge(current(row, fresh, timeouts, now), now, windows)
 
 
-__all__ = ["current", "rank_health"]
+__all__ = ["current", "in_grace", "judge", "rank_health"]

@@ -163,7 +163,7 @@ def _mark_job_lost(job: Job, ranks: list[int], now: datetime, store: hb_store.He
     views = {r: health.current(rows.get(r) or Rank(job=job, rank=r), fresh.get(r), timeouts, now)
              for r in ranks}
     lost = sorted(r for r, v in views.items() if v.lost_at is None and v.health_at(now) == RankHealth.LOST)
-    graced = {r for r in lost if views[r].stale_at is not None and _in_grace(views[r], windows, now)}
+    graced = {r for r in lost if views[r].stale_at is not None and health.in_grace(views[r], windows, now)}
     lost = [r for r in lost if r not in graced]
     if not lost:
         return 0, set(ranks) - graced
@@ -188,13 +188,6 @@ def _mark_job_lost(job: Job, ranks: list[int], now: datetime, store: hb_store.He
     if new:
         log.warning("job %s: %d rank(s) lost (first: %s)", job.pk, len(new), sorted(f.rank for f in new)[:5])
     return len(new), ((set(ranks) - set(lost)) | claimed) - graced
-
-
-def _in_grace(r: Rank, windows: list[tuple[float, float]], now: datetime) -> bool:
-    """The rank's deadline, moved by the outage time after its last heartbeat, is still ahead."""
-    t = now.timestamp()
-    since = (r.last_heartbeat_at or r.stale_at).timestamp()
-    return r.stale_at.timestamp() + outages.grace_s(windows, since, t) >= t
 
 
 def mark_stalled(now: datetime | None = None) -> int:

@@ -8,7 +8,7 @@ from django.utils import timezone
 
 from controlplane.dashboard.sections import timeline_part
 from controlplane.jobs import outages, supervision
-from controlplane.jobs.models import Beacon, Fault, Outage
+from controlplane.jobs.models import Beacon, Fault, Outage, Rank
 from tests.controlplane.conftest import hb, make_job
 from tests.controlplane.jobs.test_supervision import beat
 
@@ -129,3 +129,21 @@ def test_it_ignores_a_short_pause_of_the_watchdog():
     supervision.run_watchdog(t0)
     supervision.run_watchdog(at(t0, 1.5))
     assert not Outage.objects.exists()
+
+
+def test_the_page_and_the_api_show_a_rank_in_outage_grace_as_late_not_lost(settle):
+    """What the watchdog will not claim (its deadline moved by the control plane's own outage) is not
+    shown as lost either."""
+    from controlplane.jobs import figures
+
+    job, _ = make_job(spec={"step_timeout_s": 5.0, "procs_per_node": 2})
+    t0 = timezone.now() - timedelta(seconds=60)
+    beat(job, hb(0, 5, at=t0.timestamp()), hb(1, 5, at=t0.timestamp()))
+    settle()
+    supervision.run_watchdog(at(t0, 1))
+    assert supervision.run_watchdog(at(t0, 20)).lost == 0  # no pass for 19 s: an outage of the watchdog
+    rows = list(Rank.objects.filter(job=job))
+    healths = {f.rank: f.health for f in figures.rank_figures(job, rows, at(t0, 20))}
+    assert healths == {0: "late", 1: "late"}
+    # Once the grace is spent, the rank is lost on the page as for the watchdog.
+    assert {f.health for f in figures.rank_figures(job, rows, at(t0, 40))} == {"lost"}
