@@ -271,7 +271,9 @@ class Context:
         if self.checkpoint._checkpointer is not None:  # commit a finished save before anything can fail
             self.checkpoint._checkpointer.poll()
         rank = dist.get_rank()
-        s.last_step = step  # completed: a fault from here on (a drill, a NaN) is at this step
+        # Completed: a fault from here on (a drill, a NaN) is at this step, in the session's facts and in
+        # the user-code run's (whose record_fault reports its step_no).
+        s.last_step = impl.step_no = step
         for d in impl.drills.due(step, rank=rank):
             if d.fault == DrillFault.NAN_LOSS:
                 s.record_fault(FaultClass.NAN_LOSS, f"drill {d.key}")
