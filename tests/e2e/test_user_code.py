@@ -113,8 +113,7 @@ def _clean_loss(script: Path, steps: int) -> float:
     return float(line.split()[1])
 
 
-@pytest.mark.parametrize("example, steps, every", [pytest.param("fsdp_level2.py", 150, 20, marks=pytest.mark.nvrx),
-                                                   ("llama_level2.py", 60, 10)])
+@pytest.mark.parametrize("example, steps, every", [("fsdp_level2.py", 150, 20), ("llama_level2.py", 60, 10)])
 def test_it_recovers_a_level2_entrypoint_by_every_layer_to_the_clean_runs_loss(e2e_settings, celery_beat_thread,
                                                                                 tmp_path, example, steps, every):
     script = EXAMPLES / example
