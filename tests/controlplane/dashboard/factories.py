@@ -22,6 +22,16 @@ def make_user(username: str = "viewer", *, operator: bool = False) -> User:
     return user
 
 
+def operator_client():
+    """A test client signed in as a new operator."""
+    from django.test import Client
+
+    make_user("op", operator=True)
+    c = Client()
+    assert c.login(username="op", password=PASSWORD)
+    return c
+
+
 def make_job(
     *, now: datetime | None = None, age_s: float = 600.0, status: str = "running", **overrides
 ) -> Job:

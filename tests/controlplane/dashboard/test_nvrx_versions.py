@@ -4,7 +4,6 @@ naming both versions), and the job page says which NVRx, torch and Python each a
 from unittest import mock
 
 import pytest
-from django.test import Client
 from django.urls import reverse
 from django.utils import timezone
 
@@ -13,7 +12,7 @@ from controlplane.jobs.models import Event, Job
 from trainer import nvrx_compat
 from trainer.wire import EventKind
 
-from .factories import PASSWORD, make_job, make_user
+from .factories import make_job, operator_client
 
 pytestmark = pytest.mark.django_db
 
@@ -24,16 +23,9 @@ def _no_celery():
         yield
 
 
-def _operator() -> Client:
-    make_user("op", operator=True)
-    c = Client()
-    assert c.login(username="op", password=PASSWORD)
-    return c
-
-
 def test_the_form_checks_an_option_only_newer_nvrx_has_against_the_installed_release():
     """Local ranks run with this environment's NVRx: 0.4.1 refuses the no-progress limit, 0.6.0 takes it."""
-    c = _operator()
+    c = operator_client()
     data = {k: v for k, v in JobForm.initial_for(PRESET_CHOICES["demo"][2], name="np").items()
             if v not in (False, None)}
     data.update(max_no_progress_restarts="2", confirmed="yes")
@@ -49,7 +41,7 @@ def test_the_form_checks_an_option_only_newer_nvrx_has_against_the_installed_rel
 
 
 def test_the_job_page_says_what_each_attempt_ran_with():
-    c = _operator()
+    c = operator_client()
     job = make_job()
     url = reverse("dashboard:job", args=[job.pk])
     assert "Ran with" not in c.get(url).content.decode()

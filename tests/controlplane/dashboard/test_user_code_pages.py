@@ -4,7 +4,6 @@ and what that level cannot show."""
 from unittest import mock
 
 import pytest
-from django.test import Client
 from django.urls import reverse
 from django.utils import timezone
 
@@ -13,7 +12,7 @@ from controlplane.jobs.models import Event, Job
 from controlplane.jobs.spec import JobSpec
 from trainer.wire import EventKind
 
-from .factories import PASSWORD, make_fault, make_job, make_user
+from .factories import make_fault, make_job, operator_client
 
 pytestmark = pytest.mark.django_db
 
@@ -22,13 +21,6 @@ pytestmark = pytest.mark.django_db
 def _no_celery():
     with mock.patch("controlplane.launchers.tasks.launch.delay"):
         yield
-
-
-def _operator() -> Client:
-    make_user("op", operator=True)
-    c = Client()
-    assert c.login(username="op", password=PASSWORD)
-    return c
 
 
 def _form_data(spec: JobSpec, **changes) -> dict:
@@ -40,7 +32,7 @@ def _form_data(spec: JobSpec, **changes) -> dict:
 def test_it_starts_ones_own_script_with_arguments_and_environment(tmp_path):
     script = tmp_path / "train.py"
     script.write_text("print('step 1 loss 2.0')\n")
-    c = _operator()
+    c = operator_client()
     data = _form_data(PRESET_CHOICES["own-script"][2], entrypoint="train.py", working_dir=str(tmp_path),
                       args="--steps 300 --note 'two words'", env="MY_FLAG=1\nDATA=/data/x", confirmed="yes")
     resp = c.post(reverse("dashboard:job_new"), data)
@@ -60,7 +52,7 @@ def test_it_starts_ones_own_script_with_arguments_and_environment(tmp_path):
     ({"drills": "50:nan_loss:0"}, "drills", "your own script can be drilled with"),
 ])
 def test_it_shows_errors_of_ones_own_script_next_to_the_field(tmp_path, changes, field, message):
-    c = _operator()
+    c = operator_client()
     data = _form_data(PRESET_CHOICES["own-script"][2], working_dir=str(tmp_path), confirmed="yes")
     (tmp_path / "plain_fsdp.py").write_text("")
     data.update(entrypoint="plain_fsdp.py")
@@ -78,14 +70,14 @@ def test_it_shows_errors_of_ones_own_script_next_to_the_field(tmp_path, changes,
 def test_the_own_script_preset_runs_the_example_that_ships_with_the_sdk():
     spec = PRESET_CHOICES["own-script"][2]
     assert spec.entrypoint == EXAMPLE_SCRIPT and spec.in_process is False
-    c = _operator()
+    c = operator_client()
     resp = c.post(reverse("dashboard:job_new"), _form_data(spec, confirmed="yes"))
     assert resp.status_code == 302
     assert Job.objects.get().job_spec == spec
 
 
 def test_the_job_page_says_what_ran_its_level_and_what_that_level_cannot_show():
-    c = _operator()
+    c = operator_client()
     spec = JobSpec(entrypoint="src/train.py", args=("--lr", "3e-4"), working_dir="/srv/project",
                    env={"DATA": "/data"}, in_process=False).to_dict()
     job = make_job(spec=spec)
@@ -109,7 +101,7 @@ def test_the_job_page_says_what_ran_its_level_and_what_that_level_cannot_show():
 
 
 def test_the_fault_table_unfolds_a_long_message_such_as_a_traceback():
-    c = _operator()
+    c = operator_client()
     job = make_job()
     tb = "DrillError: boom\n\nTraceback (most recent call last):\n  File \"train.py\", line 3, in <module>\n"
     make_fault(job, at=timezone.now(), fault_class="exception", message=tb)
