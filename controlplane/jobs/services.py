@@ -66,11 +66,23 @@ def create_job(*, name: str, spec: JobSpec, created_by: AbstractBaseUser | None,
         job = Job(name=name, spec=spec.to_dict(), backend=spec.backend, created_by=created_by,
                   notify_webhook_url=notify_webhook_url, notify_email=notify_email)
         job.save()
+        _forget_stale_heartbeats(job.pk)
         record_audit(actor=created_by, action="job.create", job=job,
                      detail={"name": name, "spec": spec.to_dict()}, remote_addr=remote_addr)
         if launch:
             _enqueue_launch(job)
     return job
+
+
+def _forget_stale_heartbeats(job_id: int) -> None:
+    """A new job's id may have been used before in the heartbeat store (the database was reset or restored
+    while Redis kept its keys): state under that id belongs to another job and would, for one, hold a
+    ``max_step`` the new job has not reached, so the restart-storm rule would see no progress. Nothing
+    can have beaten for this job yet (its ingest token is not committed)."""
+    try:
+        hb_store.get_store().drop_job(job_id)
+    except Exception:  # noqa: BLE001 - Redis down: the job is still created; the outage rules cover beats
+        log.warning("job %s: could not clear stale heartbeat state for its id", job_id, exc_info=True)
 
 
 def _enqueue_launch(job: Job) -> None:

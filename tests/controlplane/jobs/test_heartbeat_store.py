@@ -66,3 +66,19 @@ def test_a_flush_in_slices_writes_every_rank_and_the_jobs_progress(hb_store):
         (r, 10 + r % 7) for r in range(3000)}
     job = Job.objects.get(pk=job.pk)
     assert job.max_step == 16
+
+
+def test_a_new_job_does_not_inherit_state_left_under_its_id(hb_store):
+    """The database was reset (or restored) while Redis kept its keys: the next job gets an id that was
+    used before, and the old job's progress (step 70) must not make the new one look stuck below it."""
+    from controlplane.jobs import services
+    from controlplane.jobs.spec import JobSpec
+
+    before, _ = make_job()
+    reused = before.pk + 1
+    hb_store.record(reused, [hb(0, 70), hb(1, 70)], TIMEOUTS, now=NOW)
+    assert hb_store.progress(reused)[0][0] == 70
+    job = services.create_job(name="next", spec=JobSpec(), created_by=None, launch=False)
+    assert job.pk == reused, "the test needs the id the stale state was left under"
+    assert hb_store.progress(job.pk) == (None, None)
+    assert hb_store.freshest(job.pk, [0, 1]) == {}
