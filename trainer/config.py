@@ -18,17 +18,31 @@ ALL_RANKS = -1
 
 @dataclass(kw_only=True, slots=True, frozen=True)
 class Drill:
-    """A scheduled fault: fire ``fault`` on ``rank`` (ALL_RANKS for every rank) before step ``step``."""
+    """A scheduled fault: fire ``fault`` on ``rank`` (ALL_RANKS for every rank) before step ``step``.
+    ``slow_rank`` takes a fourth part, the extra share of each step the rank spends busy from then on
+    (``300:slow_rank:1:0.3``: 30 % slower; default 0.3)."""
 
     step: int
     fault: DrillFault
     rank: int
+    fraction: float = 0.3
 
     @classmethod
     def parse(cls, text: str) -> Drill:
         parts = text.split(":")
+        fraction = 0.3
+        if len(parts) == 4 and parts[1] == DrillFault.SLOW_RANK:
+            try:
+                fraction = float(parts[3])
+            except ValueError:
+                fraction = -1.0
+            if not 0 < fraction <= 10:
+                raise ValueError(f"--drill {text!r}: FRACTION must be a number within 0..10, e.g. "
+                                 "--drill 50:slow_rank:1:0.3 (30 % slower)")
+            parts = parts[:3]
         if len(parts) != 3:
-            raise ValueError(f"--drill {text!r}: expected STEP:FAULT:RANK, e.g. --drill 12:exception:1")
+            raise ValueError(f"--drill {text!r}: expected STEP:FAULT:RANK, e.g. --drill 12:exception:1 "
+                             "(slow_rank: STEP:slow_rank:RANK:FRACTION)")
         step_s, fault_s, rank_s = parts
         try:
             fault = DrillFault(fault_s)
@@ -44,7 +58,7 @@ class Drill:
             rank = int(rank_s)
         else:
             raise ValueError(f"--drill {text!r}: RANK must be a rank number or '*' for every rank")
-        return cls(step=int(step_s), fault=fault, rank=rank)
+        return cls(step=int(step_s), fault=fault, rank=rank, fraction=fraction)
 
     @property
     def key(self) -> str:
@@ -76,6 +90,8 @@ class TrainConfig:
 
     report_url: str = ""
     report_interval: float = 1.0
+    # Each beat's busy_s is the rank's mean work per step over this many seconds (the straggler window).
+    straggler_window: float = 5.0
     log_every: int = 10
 
     run_dir: str = ""
@@ -112,6 +128,8 @@ class TrainConfig:
             raise ValueError("--soft-timeout must be >= 2 s (NVRx checks progress every 1 s)")
         if not self.soft_timeout < self.hard_timeout:
             raise ValueError("--hard-timeout must be greater than --soft-timeout")
+        if not 1 <= self.straggler_window <= 600:
+            raise ValueError("--straggler-window must be within 1..600 seconds")
         if not self.report_interval > 0:
             raise ValueError("--report-interval must be > 0 seconds")
         if self.log_every < 0:
@@ -186,10 +204,12 @@ def build_parser() -> argparse.ArgumentParser:
     a("--step-timeout", type=float, default=30.0, help="in-job: ft_launcher heartbeat timeout")
     a("--ckpt-timeout", type=float, default=120.0, help="in-job: how long a save or load may keep a rank silent")
     a("--startup-timeout", type=float, default=120.0, help="in-job: timeout until the first heartbeat")
-    a("--drill", action="append", default=[], metavar="STEP:FAULT:RANK",
+    a("--drill", action="append", default=[], metavar="STEP:FAULT:RANK[:FRACTION]",
       help=f"scheduled fault drill (repeatable); FAULT in {', '.join(DrillFault)}; RANK a number or '*'")
     a("--report-url", default=None, help="control plane base URL (env UNBROKEN_REPORT_URL)")
     a("--report-interval", type=float, default=1.0)
+    a("--straggler-window", type=float, default=5.0,
+      help="seconds over which each beat's busy_s (the rank's own work per step) is averaged")
     a("--log-every", type=int, default=10, help="print a log line every N steps (0 = never)")
     a("--run-dir", default=None, help="run directory (env UNBROKEN_RUN_DIR)")
     a("--job-id", default=None, help="job id (env UNBROKEN_JOB_ID)")
@@ -213,7 +233,7 @@ def parse_config(argv: list[str] | None = None, env: dict[str, str] | None = Non
         ckpt_timeout=ns.ckpt_timeout, startup_timeout=ns.startup_timeout,
         drills=tuple(Drill.parse(d) for d in ns.drill),
         report_url=(ns.report_url if ns.report_url is not None else env.get("UNBROKEN_REPORT_URL", "")).rstrip("/"),
-        report_interval=ns.report_interval, log_every=ns.log_every,
+        report_interval=ns.report_interval, straggler_window=ns.straggler_window, log_every=ns.log_every,
         run_dir=ns.run_dir or env.get("UNBROKEN_RUN_DIR", ""),
         job_id=ns.job_id or env.get("UNBROKEN_JOB_ID", ""),
         attempt=attempt,

@@ -218,6 +218,8 @@ class Context:
         self.resumed_from = 0
         self.checkpoint = CheckpointAPI(self if session is not None else None)
         self.cycle = session.cycle(self.iteration) if session is not None else None
+        if impl is not None:
+            impl.busy.reset()
         if session is not None:
             session.iteration = self.iteration
             if self.iteration > 0:
@@ -275,7 +277,10 @@ class Context:
         # the user-code run's (whose record_fault reports its step_no).
         s.last_step = impl.step_no = step
         for d in impl.drills.due(step, rank=rank):
-            if d.fault == DrillFault.NAN_LOSS:
+            if d.fault == DrillFault.SLOW_RANK:  # not a fault: this rank is slower from now on
+                log.warning("rank %s: drill %s: %d %% slower from step %s", rank, d.key, d.fraction * 100, step)
+                impl.busy.slow_fraction = d.fraction
+            elif d.fault == DrillFault.NAN_LOSS:
                 s.record_fault(FaultClass.NAN_LOSS, f"drill {d.key}")
                 loss = float("nan")
             else:
@@ -289,10 +294,11 @@ class Context:
             self._pinged = now
             self.scope.ping()
         s.ft.heartbeat()
+        busy = impl.busy.step()
         dt = None if self._last_t is None else now - self._last_t
         self._last_t = now
         s.reporter.heartbeat(step=step, phase=Phase.TRAIN, loss=loss, step_time_s=dt,
-                             tokens_per_s=tokens / dt if tokens and dt else None)
+                             tokens_per_s=tokens / dt if tokens and dt else None, busy_s=busy)
         impl.step_no, impl.loss = step, loss
         s.last_loss = loss
         if self._first:
@@ -312,6 +318,10 @@ class Context:
             s.reporter.close(timeout_s=5.0)
             os._exit(EXIT_RESTART_IN_JOB)
         elif decision.kind == CommandKind.INJECT_FAULT and decision.rank in (rank, -1):
+            if decision.fault == DrillFault.SLOW_RANK:
+                log.warning("rank %s: command %s: 30 %% slower from step %s", rank, decision.command_id, step)
+                impl.busy.slow_fraction = 0.3
+                return
             if decision.fault == DrillFault.NAN_LOSS:
                 s.record_fault(FaultClass.NAN_LOSS, f"command {decision.command_id}")
                 raise NanLossError(f"injected NaN loss (command {decision.command_id})")

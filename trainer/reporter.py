@@ -33,7 +33,7 @@ _UNSET: Any = object()
 
 class Reporter(Protocol):
     def heartbeat(self, *, step: int, phase: str, loss: float | None = None, step_time_s: float | None = None,
-                  tokens_per_s: float | None = None) -> None: ...
+                  tokens_per_s: float | None = None, busy_s: float | None = None) -> None: ...
 
     def event(self, kind: EventKind | str, data: dict[str, Any] | None = None, *, rank: int | None = _UNSET,
               at: float | None = None) -> None: ...
@@ -129,10 +129,13 @@ class HttpReporter:
     # -- caller side: O(1), no I/O -------------------------------------------------------------------
 
     def heartbeat(self, *, step: int, phase: str, loss: float | None = None, step_time_s: float | None = None,
-                  tokens_per_s: float | None = None) -> None:
-        self._q.append(("hb", {"rank": self.rank, "step": step, "phase": str(phase), "at": time.time(),
-                               "loss": _finite(loss), "step_time_s": _finite(step_time_s),
-                               "tokens_per_s": _finite(tokens_per_s), "node": self._node, "pid": self._pid}))
+                  tokens_per_s: float | None = None, busy_s: float | None = None) -> None:
+        hb = {"rank": self.rank, "step": step, "phase": str(phase), "at": time.time(), "loss": _finite(loss),
+              "step_time_s": _finite(step_time_s), "tokens_per_s": _finite(tokens_per_s), "node": self._node,
+              "pid": self._pid}
+        if busy_s is not None:
+            hb["busy_s"] = _finite(busy_s)
+        self._q.append(("hb", hb))
 
     def event(self, kind: EventKind | str, data: dict[str, Any] | None = None, *, rank: int | None = _UNSET,
               at: float | None = None) -> None:

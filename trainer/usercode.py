@@ -35,6 +35,7 @@ from typing import Any
 
 from trainer.config import TrainConfig
 from trainer.control import EXIT_RESTART_IN_JOB, CommandInbox, Drills, ack_event
+from trainer.straggler import BusyClock
 from trainer.reporter import Reporter, make_reporter
 from trainer.runtime import RankEnv, connect_store, fault_key, record_fault_facts
 from trainer.wire import (CommandKind, CycleMark, DrillFault, EventKind, FaultClass, Layer, Phase,
@@ -165,6 +166,7 @@ class UserRun:
         self.drills = Drills(drills=cfg.drills, run_dir=cfg.run_dir, initial_rank=self.rank,
                              record_fault=lambda fault, message: self.record_fault(fault, message))
         self.ft: Any = None
+        self.busy = BusyClock(cfg.straggler_window)  # Level 2's step clock (trainer.straggler)
         self._pending_fire: tuple[DrillFault, str] | None = None
         self._facts: dict[str, Any] | None = None  # the last fault this process recorded
         self._shared_at = 0.0
@@ -323,6 +325,9 @@ class UserRun:
 
     def _due_drills(self, step: int) -> None:
         for d in self.drills.due(step, rank=RankEnv.rank()):
+            if d.fault == DrillFault.SLOW_RANK:  # needs the SDK's step clock (Level 2); spec validation says so
+                log.warning("drill %s: slow_rank needs the SDK's entrypoint function (Level 2); skipped", d.key)
+                continue
             self._fire(d.fault, f"drill {d.key}")
 
     def _fire(self, fault: DrillFault, message: str) -> None:

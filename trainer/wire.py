@@ -104,6 +104,7 @@ class DrillFault(StrEnum):
     HANG_COLLECTIVE = "hang_collective"  # hang in a C call / collective (GIL released)
     SIGKILL = "sigkill"
     NAN_LOSS = "nan_loss"
+    SLOW_RANK = "slow_rank"  # not a fault: the rank spends an extra fraction of each step busy (a straggler)
 
 
 class Layer(StrEnum):
@@ -210,6 +211,10 @@ class Heartbeat:
     tokens_per_s: float | None = None
     node: str = ""
     pid: int | None = None
+    # The rank's own work per step (CPU seconds of its training thread, waits for peers left out), averaged
+    # over the job's straggler window: what sets a straggler apart when lock-step collectives give every
+    # rank the same ``step_time_s``.
+    busy_s: float | None = None
 
 
 @dataclass(slots=True, frozen=True)
@@ -364,6 +369,7 @@ def parse_heartbeat(h: Any, path: str, window: Window, world_size: int | None) -
                           hi=MAX_TOKENS_PER_S),
         node=_str(h.get("node", ""), f"{path}.node", MAX_NODE_LEN),
         pid=None if pid is None else _int(pid, f"{path}.pid", hi=MAX_PID),
+        busy_s=_num(h.get("busy_s"), f"{path}.busy_s", optional=True, lo=0, hi=MAX_DURATION_S),
     )
 
 

@@ -80,6 +80,7 @@ def rank(f: figures.RankFigures, now: datetime) -> schema.Rank:
         heartbeat_at=datetime.fromtimestamp(f.hb_at, tz=now.tzinfo) if f.hb_at is not None else None,
         heartbeat_age_s=max(0.0, now.timestamp() - f.hb_at) if f.hb_at is not None else None,
         phase=f.phase, step=f.step, loss=f.loss, step_time_s=f.step_time_s, pid=f.pid,
+        busy_s=f.busy_s, slowdown_pct=f.slowdown_pct,
     )
 
 

@@ -210,6 +210,10 @@ class Rank(Struct, kw_only=True):
     loss: float | None
     step_time_s: float | None
     pid: int | None
+    busy_s: Annotated[float | None, Meta(description="the rank's own work per step (CPU seconds of its training "
+                                                      "thread, waits for peers left out), over the straggler window")]
+    slowdown_pct: Annotated[float | None, Meta(description="a straggler's busy_s above the median of the other "
+                                                            "ranks', in percent; null when it is not one")]
 
 
 class RankList(Struct, kw_only=True):

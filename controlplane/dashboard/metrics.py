@@ -24,7 +24,7 @@ from django.utils import timezone
 from django.views.decorators.http import require_GET
 
 from controlplane.jobs.goodput import PARTS
-from controlplane.jobs import outages
+from controlplane.jobs import figures, outages
 from controlplane.jobs.models import Checkpoint, Fault, Job, Outage, QuarantinedHeartbeat, Rank, RestartCycle
 from controlplane.supervisor import read_state
 from trainer.wire import CheckpointState
@@ -105,7 +105,7 @@ class JobCollector:
         now = self.now
         recent = Q(finished_at__isnull=True) | Q(finished_at__gte=now - timedelta(hours=1))
         jobs = list(Job.objects.filter(recent).order_by("id").only(
-            "pk", "status", "last_step", "started_at", "created_at", "finished_at", "first_step_at"))
+            "pk", "status", "last_step", "started_at", "created_at", "finished_at", "first_step_at", "spec"))
         ids = [j.pk for j in jobs]
 
         step = GaugeMetricFamily("unbroken_job_step", "Last completed training step.", labels=["job"])
@@ -196,6 +196,22 @@ class JobCollector:
         yield oldest
         yield lost
         yield stalled
+
+        # Stragglers, live (jobs/health.py's rule on the rows' windowed busy_s): a count and the worst
+        # slowdown per job, never a per-rank series.
+        straggling = GaugeMetricFamily("unbroken_ranks_straggling", "Ranks whose own work per step is above "
+                                       "the other ranks' median by the job's straggler margin.", labels=["job"])
+        slowdown = GaugeMetricFamily("unbroken_straggler_slowdown_max_percent", "The slowest straggler's "
+                                     "work per step above the other ranks' median, in percent (0: none).",
+                                     labels=["job"])
+        for j in jobs:
+            if not j.is_active:
+                continue
+            slow = figures.slowdowns(j, [], now)
+            straggling.add_metric([str(j.pk)], len(slow))
+            slowdown.add_metric([str(j.pk)], max(slow.values(), default=0.0))
+        yield straggling
+        yield slowdown
 
 
 class ControlPlaneCollector:

@@ -17,14 +17,16 @@ from django.db.models import Count, Max, Q
 from controlplane.dashboard import charts
 from controlplane.dashboard.timeline_figure import timeline_figure
 from controlplane.dashboard.outage_band import add_outage_bands
-from controlplane.dashboard.timeline import job_spans, rank_spans, ts
+from controlplane.dashboard.timeline import STRAGGLER, Span, job_spans, rank_spans, ts
 from controlplane.jobs import figures, health, outages
 from controlplane.jobs.goodput import PARTS, Epoch
 from controlplane.jobs.heartbeats import Timeouts
+from controlplane.jobs.stragglers import STRAGGLER_EVENT, straggler_spans
 from controlplane.jobs.models import (
     AuditEntry,
     Checkpoint,
     Command,
+    Event,
     Fault,
     Job,
     Outage,
@@ -271,10 +273,11 @@ def timeline_part(
         .order_by("at", "id")
     ]
     windows = outages.grace_windows(now) if job.is_active else []
+    slow = figures.slowdowns(job, [ln["row"] for ln in lanes if ln["row"]], now, complete=True)
     ranks = [
         {
             "rank": ln["rank"],
-            "health": health.judge(ln["row"], now, windows) if ln["row"] else "ok",
+            "health": health.judge(ln["row"], now, windows, slow.get(ln["rank"])) if ln["row"] else "ok",
             "last_heartbeat_at": ts(ln["row"].last_heartbeat_at) if ln["row"] else None,
             "step_changed_at": ts(ln["row"].step_changed_at) if ln["row"] else None,
         }
@@ -294,6 +297,12 @@ def timeline_part(
     spans += rank_spans(
         end=end_ts, is_open=is_open, faults=faults, cycles_by_id={c["id"]: c for c in cycles}, ranks=ranks
     )
+    marks = Event.objects.filter(job=job, kind=STRAGGLER_EVENT, at__lte=hi).order_by("at", "id")
+    for rank, start, stop in straggler_spans(
+        [(r, at, (d or {}).get("state", "")) for r, at, d in marks.values_list("rank", Epoch("at"), "data")], end=t1
+    ):
+        spans.append(Span(start, stop if stop is not None else end_ts, STRAGGLER, rank,
+                          f"straggler: rank {rank} slower than the others", open=stop is None and is_open))
     commands = [
         {
             "issued_at": ts(c.issued_at),
@@ -527,6 +536,8 @@ def ranks_part(job: Job, now: datetime) -> dict:
                 "step": f.step,
                 "loss": f.loss,
                 "step_time_s": f.step_time_s,
+                "busy_s": f.busy_s,
+                "slowdown_pct": f.slowdown_pct,
                 "pid": f.pid,
                 "why": _why_no_heartbeat(job) if f.health == figures.UNKNOWN else "",
             }

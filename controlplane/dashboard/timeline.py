@@ -28,7 +28,8 @@ CHECKPOINT_LOAD = "checkpoint load"
 RESTARTING = "restarting"
 HUNG = "hung"
 DEAD = "dead"
-PHASES = (TRAINING, STARTING, CHECKPOINT_SAVE, CHECKPOINT_LOAD, RESTARTING, HUNG, DEAD)
+STRAGGLER = "straggler"  # per rank: marked by the watchdog until it recovered (jobs/stragglers.py)
+PHASES = (TRAINING, STARTING, CHECKPOINT_SAVE, CHECKPOINT_LOAD, RESTARTING, STRAGGLER, HUNG, DEAD)
 
 DEAD_CLASSES = frozenset(
     {

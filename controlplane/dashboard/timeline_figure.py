@@ -18,6 +18,7 @@ from controlplane.dashboard.timeline import (
     PHASES,
     RESTARTING,
     STARTING,
+    STRAGGLER,
     TRAINING,
     Span,
 )
@@ -35,9 +36,10 @@ PHASE_COLORS = {
     RESTARTING: "#f28e2b",
     HUNG: "#edc948",
     DEAD: "#c0392b",
+    STRAGGLER: "#76b7b2",
 }
 # When a bin holds several phases, the most alarming wins; a save must cover a quarter of the bin.
-PRIORITY = (DEAD, HUNG, RESTARTING, CHECKPOINT_LOAD, STARTING, CHECKPOINT_SAVE)
+PRIORITY = (DEAD, HUNG, RESTARTING, CHECKPOINT_LOAD, STARTING, STRAGGLER, CHECKPOINT_SAVE)
 MIN_COVER = {CHECKPOINT_SAVE: 0.25}
 LAYER_COLORS = {"in_process": "#59a14f", "in_job": "#f28e2b", "job": "#e15759", "none": "#7f7f7f"}
 FAULT_COLORS = {

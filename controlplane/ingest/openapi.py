@@ -105,6 +105,9 @@ def _static() -> dict:
             "tokens_per_s": {**_num(True), "minimum": 0, "maximum": wire.MAX_TOKENS_PER_S},
             "node": _text(wire.MAX_NODE_LEN),
             "pid": {**_int(wire.MAX_PID), "type": ["integer", "null"]},
+            "busy_s": {**_num(True), "minimum": 0, "maximum": wire.MAX_DURATION_S,
+                       "description": "The rank's own work per step (CPU seconds, waits for peers left out), "
+                                      "averaged over the straggler window."},
         },
     }
     event = {

@@ -14,8 +14,8 @@ from datetime import datetime
 from django.db.models import Count
 
 from controlplane.jobs import health, heartbeats, outages
-from controlplane.jobs.models import Event, Fault, Job, Rank, RestartCycle
-from trainer.wire import CheckpointState, EventKind
+from controlplane.jobs.models import Event, Fault, Job, Rank, RankHealth, RestartCycle
+from trainer.wire import CheckpointState, EventKind, Phase
 
 # A rank in the job's world with no row yet (it has not reported).
 UNKNOWN = "unknown"
@@ -119,6 +119,28 @@ class RankFigures:
     loss: float | None
     step_time_s: float | None
     pid: int | None
+    busy_s: float | None = None  # the rank's own work per step over the straggler window
+    slowdown_pct: float | None = None  # a straggler's: its busy_s above the other ranks' median, in percent
+
+
+def slowdowns(job: Job, rows: Iterable[Rank], now: datetime, *, complete: bool = False) -> dict[int, float]:
+    """{rank: slowdown in percent} of the job's stragglers (``health.slowdowns``), judged with ``rows``
+    (already moved forward to the store's newest beats: ``health.current``) and, unless ``complete`` says
+    they are the whole world, the stored rows of the other ranks (one query; those lag Redis by up to a
+    flush). A rank counts while it trains and is neither lost nor stalled."""
+    margin = health.straggler_margin_pct(job.spec or {})
+    if not job.is_active or margin <= 0:
+        return {}
+    busy: dict[int, float] = {}
+    if not complete:
+        busy = dict(Rank.objects.filter(job=job, phase=Phase.TRAIN, busy_s__isnull=False, lost_at__isnull=True,
+                                        stalled_at__isnull=True).values_list("rank", "busy_s"))
+    for r in rows:
+        if r.phase == Phase.TRAIN and r.busy_s is not None and r.health_at(now) in (RankHealth.OK, RankHealth.LATE):
+            busy[r.rank] = r.busy_s
+        else:
+            busy.pop(r.rank, None)
+    return health.slowdowns(busy, margin)
 
 
 def freshest(job: Job, ranks: list[int]) -> dict:
@@ -137,18 +159,22 @@ def rank_figures(job: Job, rows: Iterable[Rank | tuple[int, None]], now: datetim
     fresh = freshest(job, numbers) if job.is_active and numbers else {}
     timeouts = heartbeats.Timeouts.of(job.spec)
     windows = outages.grace_windows(now) if job.is_active and numbers else []
+    # Each row moved forward by the watchdog's own rule.
+    moved = [health.current(r, fresh.get(r.rank), timeouts, now) if isinstance(r, Rank) else r for r in rows]
+    present = [r for r in moved if isinstance(r, Rank)]
+    slow = slowdowns(job, present, now, complete=len(present) >= job.world_size) if present else {}
     out = []
-    for r, n in zip(rows, numbers, strict=True):
+    for r, n in zip(moved, numbers, strict=True):
         if not isinstance(r, Rank):
             out.append(RankFigures(rank=n, node="", health=UNKNOWN, hb_at=None, phase=None, step=None,
                                    loss=None, step_time_s=None, pid=None))
             continue
-        r = health.current(r, fresh.get(r.rank), timeouts, now)  # the watchdog's own rule
         hb_at = r.last_heartbeat_at.timestamp() if r.last_heartbeat_at else None
+        pct = slow.get(r.rank)
         out.append(RankFigures(rank=r.rank, node=r.node,
-                               health=health.judge(r, now, windows) if job.is_active else "stopped",
+                               health=health.judge(r, now, windows, pct) if job.is_active else "stopped",
                                hb_at=hb_at, phase=r.phase, step=r.last_step, loss=r.loss,
-                               step_time_s=r.step_time_s, pid=r.pid))
+                               step_time_s=r.step_time_s, pid=r.pid, busy_s=r.busy_s, slowdown_pct=pct))
     return out
 
 

@@ -235,7 +235,7 @@ def _state(raw: bytes, world_size: int | None = None, window: wire.Window | None
         h = wire.parse_heartbeat(d, "state", window or _stored_window(), world_size)
     except TypeError as e:  # an unhashable value where a vocabulary word belongs
         raise ValueError(f"state: {e}") from e
-    return RankState(h.rank, h.at, h.step, h.at, h.phase, h.loss, h.step_time_s, h.tokens_per_s, h.node, h.pid)
+    return RankState(h.rank, h.at, h.step, h.at, h.phase, h.loss, h.step_time_s, h.tokens_per_s, h.node, h.pid, h.busy_s)
 
 
 def _state_unchecked(raw: bytes) -> RankState:

@@ -69,13 +69,15 @@ log = logging.getLogger(__name__)
 _FINAL_CKPT = (CheckpointState.DURABLE, CheckpointState.FAILED, CheckpointState.ABANDONED)
 _OPEN_COMMANDS = (CommandStatus.PENDING, CommandStatus.DELIVERED)
 _PHASE_SET = frozenset(p.value for p in Phase)
-_HB_KEYS = frozenset({"rank", "step", "phase", "at", "loss", "step_time_s", "tokens_per_s", "node", "pid"})
+_HB_KEYS = frozenset({"rank", "step", "phase", "at", "loss", "step_time_s", "tokens_per_s", "node", "pid",
+                      "busy_s"})
 _NUMBER = frozenset({int, float})
 _OPT_NUMBER = frozenset({int, float, type(None)})
 _OPT_INT = frozenset({int, type(None)})
 _DICT, _INT, _STR, _NONE = frozenset({dict}), frozenset({int}), frozenset({str}), frozenset({type(None)})
 # Optional number columns of a heartbeat and their bounds (None: any finite value).
-_OPT_FLOATS = (("loss", None), ("step_time_s", MAX_DURATION_S), ("tokens_per_s", MAX_TOKENS_PER_S))
+_OPT_FLOATS = (("loss", None), ("step_time_s", MAX_DURATION_S), ("tokens_per_s", MAX_TOKENS_PER_S),
+               ("busy_s", MAX_DURATION_S))
 
 
 def _types(values: list) -> frozenset:

@@ -130,6 +130,7 @@ class RankHealth(models.TextChoices):
     LOST = "lost"
     STALLED = "stalled"
     STOPPED = "stopped"
+    STRAGGLER = "straggler"  # alive and stepping, but its own work per step is above the job's median
 
 
 class Rank(models.Model):
@@ -144,12 +145,16 @@ class Rank(models.Model):
     loss = models.FloatField(null=True, blank=True)
     step_time_s = models.FloatField(null=True, blank=True)
     tokens_per_s = models.FloatField(null=True, blank=True)
+    # The rank's own work per step over the straggler window (``wire.Heartbeat.busy_s``).
+    busy_s = models.FloatField(null=True, blank=True)
     # Deadlines (denormalised so the watchdog is one indexed query).
     stale_at = models.DateTimeField(null=True, blank=True)
     stall_at = models.DateTimeField(null=True, blank=True)
     # Claims made by the watchdog; cleared by the next heartbeat that shows life / progress.
     lost_at = models.DateTimeField(null=True, blank=True)
     stalled_at = models.DateTimeField(null=True, blank=True)
+    # When the watchdog marked it a straggler (jobs/stragglers.py); cleared when it recovers.
+    straggler_at = models.DateTimeField(null=True, blank=True)
 
     objects = RankQuerySet.as_manager()
 

@@ -68,18 +68,21 @@ class RankState:
     tokens_per_s: float | None = None
     node: str = ""
     pid: int | None = None
+    busy_s: float | None = None
 
     @classmethod
     def of(cls, b: dict, step_since: float | None = None) -> RankState:
         """From a beat dict (the wire heartbeat's fields; optional ones may be missing)."""
         at = float(b["at"])
         return cls(b["rank"], at, b["step"], at if step_since is None else step_since, b["phase"], b.get("loss"),
-                   b.get("step_time_s"), b.get("tokens_per_s"), b.get("node") or "", b.get("pid"))
+                   b.get("step_time_s"), b.get("tokens_per_s"), b.get("node") or "", b.get("pid"),
+                   b.get("busy_s"))
 
 
 def beat_dict(hb: Heartbeat) -> dict:
     return {"rank": hb.rank, "step": hb.step, "phase": hb.phase, "at": hb.at, "loss": hb.loss,
-            "step_time_s": hb.step_time_s, "tokens_per_s": hb.tokens_per_s, "node": hb.node, "pid": hb.pid}
+            "step_time_s": hb.step_time_s, "tokens_per_s": hb.tokens_per_s, "node": hb.node, "pid": hb.pid,
+            "busy_s": hb.busy_s}
 
 
 def newest_per_rank(beats: Iterable[dict]) -> dict[int, RankState]:
@@ -117,7 +120,7 @@ def newest_per_rank(beats: Iterable[dict]) -> dict[int, RankState]:
 # --- the shared upsert -------------------------------------------------------------------------------
 
 _RANK_COLUMNS = ("job_id", "rank", "node", "pid", "phase", "last_heartbeat_at", "last_step", "step_changed_at",
-                 "loss", "step_time_s", "tokens_per_s", "stale_at", "stall_at")
+                 "loss", "step_time_s", "tokens_per_s", "stale_at", "stall_at", "busy_s")
 # Only newer heartbeats update a row. The step clock keeps its start while the step holds. A claim is
 # cleared when the new heartbeat shows life (its deadline is in the future: a late replay of an old beat
 # does not revive a lost rank) or progress (the step moved).
@@ -126,6 +129,7 @@ ON CONFLICT (job_id, rank) DO UPDATE SET
   node = excluded.node, pid = excluded.pid, phase = excluded.phase,
   last_heartbeat_at = excluded.last_heartbeat_at, loss = excluded.loss,
   step_time_s = excluded.step_time_s, tokens_per_s = excluded.tokens_per_s, stale_at = excluded.stale_at,
+  busy_s = excluded.busy_s,
   step_changed_at = CASE WHEN jobs_rank.last_step = excluded.last_step AND jobs_rank.step_changed_at IS NOT NULL
                          THEN jobs_rank.step_changed_at ELSE excluded.step_changed_at END,
   stall_at = CASE WHEN excluded.stall_at IS NULL THEN NULL
@@ -142,7 +146,7 @@ def upsert_ranks(job_id: int, states: Iterable[RankState], timeouts: Timeouts, *
     """Create or move forward the ``Rank`` rows of ``states``; sorted by rank so that concurrent
     writers lock rows in the same order (no deadlocks). Returns the number of states written.
 
-    Postgres gets 12 array parameters unnested server-side (a VALUES list of 65k rows would spend
+    Postgres gets 13 array parameters unnested server-side (a VALUES list of 65k rows would spend
     seconds in the driver's placeholder handling); SQLite gets a VALUES list.
     """
     rows = sorted(states, key=lambda s: s.rank)
@@ -157,10 +161,10 @@ def upsert_ranks(job_id: int, states: Iterable[RankState], timeouts: Timeouts, *
 
 def _upsert_pg(job_id: int, rows: list[RankState], timeouts: Timeouts, now: datetime) -> None:
     sql = (f"INSERT INTO jobs_rank ({', '.join(_RANK_COLUMNS)}) "
-           "SELECT %b, r, n, p, ph, to_timestamp(a), s, to_timestamp(sc), l, st, tp, to_timestamp(d), to_timestamp(sa) "
-           "FROM unnest(%b::int[], %b::text[], %b::int[], %b::text[], %b::float8[], %b::int[], %b::float8[], "
-           "%b::float8[], %b::float8[], %b::float8[], %b::float8[], %b::float8[]) "
-           "AS t(r, n, p, ph, a, s, sc, l, st, tp, d, sa)" + _UPSERT_TAIL.replace("%s", "%b"))
+           "SELECT %b, r, n, p, ph, to_timestamp(a), s, to_timestamp(sc), l, st, tp, to_timestamp(d), to_timestamp(sa), "
+           "bz FROM unnest(%b::int[], %b::text[], %b::int[], %b::text[], %b::float8[], %b::int[], %b::float8[], "
+           "%b::float8[], %b::float8[], %b::float8[], %b::float8[], %b::float8[], %b::float8[]) "
+           "AS t(r, n, p, ph, a, s, sc, l, st, tp, d, sa, bz)" + _UPSERT_TAIL.replace("%s", "%b"))
     stall_s = timeouts.stall_s
     connection.ensure_connection()
     # psycopg's own server-side-binding cursor on Django's connection (same transaction): lists go as
@@ -170,8 +174,8 @@ def _upsert_pg(job_id: int, rows: list[RankState], timeouts: Timeouts, now: date
     with psycopg.Cursor(connection.connection) as cur:
         for i in range(0, len(rows), 10000):
             part = rows[i:i + 10000]
-            cols: list[list] = [[] for _ in range(12)]
-            (r_, n_, p_, ph_, a_, s_, sc_, l_, st_, tp_, d_, sa_) = cols
+            cols: list[list] = [[] for _ in range(13)]
+            (r_, n_, p_, ph_, a_, s_, sc_, l_, st_, tp_, d_, sa_, bz_) = cols
             for x in part:
                 r_.append(x.rank)
                 n_.append(x.node)
@@ -185,6 +189,7 @@ def _upsert_pg(job_id: int, rows: list[RankState], timeouts: Timeouts, now: date
                 tp_.append(x.tokens_per_s)
                 d_.append(timeouts.deadline(x.phase, x.at))
                 sa_.append(x.step_since + stall_s if x.phase == _TRAIN else None)
+                bz_.append(x.busy_s)
             cur.execute(sql, [job_id, *cols, now])
 
 
@@ -203,7 +208,7 @@ def _upsert_values(job_id: int, rows: list[RankState], timeouts: Timeouts, now: 
                 params += (job_id, s.rank, s.node, s.pid, s.phase, adapt(utc(s.at)), s.step,
                            adapt(utc(s.step_since)), s.loss, s.step_time_s, s.tokens_per_s,
                            None if deadline is None else adapt(utc(deadline)),
-                           adapt(utc(s.step_since + stall_s)) if s.phase == _TRAIN else None)
+                           adapt(utc(s.step_since + stall_s)) if s.phase == _TRAIN else None, s.busy_s)
             params.append(now_p)
             cur.execute(head + ", ".join([one] * len(part)) + _UPSERT_TAIL, params)
 

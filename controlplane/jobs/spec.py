@@ -44,8 +44,12 @@ class Drill:
     step: int
     fault: str
     rank: int = 0
+    # slow_rank only: the extra share of each step the rank spends busy from ``step`` on (0.3 = 30 % slower).
+    fraction: float = 0.3
 
     def as_flag(self) -> str:
+        if self.fault == DrillFault.SLOW_RANK:
+            return f"{self.step}:{self.fault}:{self.rank}:{self.fraction:g}"
         return f"{self.step}:{self.fault}:{self.rank}"
 
 
@@ -132,6 +136,10 @@ class JobSpec:
     checkpoint_timeout_s: float = 300.0
     stall_timeout_s: float = 120.0
     storm_restarts: int = 5
+    # Stragglers: a rank whose own work per step, averaged over the window, is more than this many percent
+    # above the median of the other ranks' is marked a straggler (0: off). See jobs/health.py.
+    straggler_margin_pct: float = 20.0
+    straggler_window_s: float = 5.0
     drills: tuple[Drill, ...] = ()
     kubernetes: KubernetesSpec | None = None
     # The user's own training code ("" = the built-in example model, ``preset``). See the README,
@@ -162,6 +170,11 @@ class JobSpec:
             positive(name, 0)
         for name in ("heartbeat_interval_s", "step_timeout_s", "checkpoint_timeout_s", "stall_timeout_s"):
             positive(name, 0.1)
+        if self.straggler_margin_pct != 0 and not 5 <= self.straggler_margin_pct <= 1000:
+            errors["straggler_margin_pct"] = ("must be 0 (off) or within 5..1000 percent: below 5 %, ordinary "
+                                              "step-to-step noise would mark ranks")
+        if not 1 <= self.straggler_window_s <= 600:
+            errors["straggler_window_s"] = "must be within 1..600 seconds"
         if self.step_timeout_s < 2 * self.heartbeat_interval_s:
             errors["step_timeout_s"] = "must be at least twice heartbeat_interval_s, or every beat looks late"
         if self.backend == "local" and self.nodes != 1:
@@ -178,10 +191,12 @@ class JobSpec:
                 errors[f"drills[{i}].rank"] = f"must be a rank of this job: 0..{self.world_size - 1}"
             elif not 0 < d.step < self.steps:
                 errors[f"drills[{i}].step"] = f"must be within 1..{self.steps - 1} (before the last step)"
+            elif type(d.fraction) not in (int, float) or not 0 < d.fraction <= 10:
+                errors[f"drills[{i}].fraction"] = "must be a number within 0..10 (0.3: the rank is 30 % slower)"
             elif self.entrypoint and not self.in_process and d.fault not in DRILLS_FOR_USER_CODE:
                 errors[f"drills[{i}].fault"] = (f"your own script can be drilled with {', '.join(DRILLS_FOR_USER_CODE)} "
-                                                "(fired when it reports that step); nan_loss and hang_collective "
-                                                "need the SDK's entrypoint function with in-process restarts on")
+                                                "(fired when it reports that step); nan_loss, hang_collective and "
+                                                "slow_rank need the SDK's entrypoint function with in-process restarts on")
         if errors:
             raise SpecError(errors)
 

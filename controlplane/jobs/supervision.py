@@ -17,7 +17,7 @@ from django.db.models.functions import Coalesce
 from django.utils import timezone
 
 from controlplane.jobs import heartbeats as hb_store
-from controlplane.jobs import health, launcher_port, notifications, outages
+from controlplane.jobs import health, launcher_port, notifications, outages, stragglers
 from controlplane.jobs.models import (
     ACTIVE_STATUSES,
     Command,
@@ -41,6 +41,7 @@ class WatchdogResult:
     lost: int = 0
     stalled: int = 0
     storms: int = 0
+    stragglers: int = 0
 
 
 def run_watchdog(now: datetime | None = None, *, store: hb_store.HeartbeatStore | None = None) -> WatchdogResult:
@@ -54,7 +55,8 @@ def run_watchdog(now: datetime | None = None, *, store: hb_store.HeartbeatStore 
     except Exception:
         log.exception("watchdog: recording the control plane's outages failed")
     for name, check in (("lost", lambda: mark_overdue(now, store=store)), ("stalled", lambda: mark_stalled(now)),
-                        ("storms", lambda: stop_storms(now))):
+                        ("storms", lambda: stop_storms(now)),
+                        ("stragglers", lambda: stragglers.mark_stragglers(now))):
         try:
             setattr(result, name, check())
         except Exception:

@@ -43,6 +43,8 @@ def trainer_args(spec: JobSpec, *, report_url: str = "") -> list[str]:
     if spec.in_process:
         args += ["--max-in-process-restarts", str(spec.max_in_process_restarts)]
     args += ["--report-interval", _num(spec.heartbeat_interval_s)]
+    if spec.straggler_window_s != 5.0:  # the trainer's default
+        args += ["--straggler-window", _num(spec.straggler_window_s)]
     for drill in spec.drills:
         args += ["--drill", drill.as_flag()]
     if report_url:
