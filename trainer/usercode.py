@@ -38,8 +38,8 @@ from trainer.control import EXIT_RESTART_IN_JOB, CommandInbox, Drills, ack_event
 from trainer.straggler import BusyClock
 from trainer.reporter import Reporter, make_reporter
 from trainer.runtime import RankEnv, connect_store, fault_key, record_fault_facts
-from trainer.wire import (CommandKind, CycleMark, DrillFault, EventKind, FaultClass, Layer, Phase,
-                          cycle_key)
+from trainer.wire import (CommandKind, CycleMark, DrillFault, EventKind, FaultClass, Layer, Phase, cycle_key,
+                          redact)
 
 log = logging.getLogger(__name__)
 
@@ -234,6 +234,8 @@ class UserRun:
 
     def record_fault(self, fault: FaultClass | str, message: str, *, traceback_text: str = "",
                      fatal: bool = False, kind: str = "fault", command_id: int | None = None) -> None:
+        # Evidence leaves the rank without secrets (the job's ingest token, anything that looks like one).
+        message, traceback_text = redact(message, (self.cfg.token,)), redact(traceback_text, (self.cfg.token,))
         rec = {"fault": str(fault), "rank": RankEnv.rank(), "at": time.time(), "iteration": 0,
                "message": message[:500], "kind": kind, "traceback": traceback_text, "fatal": fatal,
                "step": self.step_no, **({"command_id": command_id} if command_id is not None else {})}

@@ -26,6 +26,8 @@ Event ids make retries harmless: the control plane stores each (job, id) once.
 
 from __future__ import annotations
 
+import re
+
 import json
 import math
 from dataclasses import dataclass, field
@@ -189,6 +191,42 @@ def cycle_key(*, attempt: int = 0, restart_count: int | None = None, iteration: 
     if iteration is None:
         return f"a{attempt}-ij{restart_count}"
     return f"a{attempt}-ij{restart_count}-ip{iteration}"
+
+
+# --- evidence: what a fault's text may carry off the rank -------------------------------------------
+
+MAX_EVIDENCE_CHARS = 4000  # a fault's message with its traceback, as stored
+_SECRET_NAME = r"[A-Za-z0-9_.-]*(?:TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL|PRIVATE_KEY|API_KEY|APIKEY|ACCESS_KEY)[A-Za-z0-9_.-]*"
+_REDACT = re.compile(
+    rf"(?i:(?P<name>{_SECRET_NAME})(?P<sep>\s*[=:]\s*)(?P<q>['\"]?)(?P<value>[^\s'\",;)\]}}]+))"
+    r"|(?i:(?P<scheme>bearer|basic)\s+)(?P<cred>[A-Za-z0-9._~+/=-]{8,})"
+    r"|(?P<shape>\b(?:hf_[A-Za-z0-9]{20,}|gh[pousr]_[A-Za-z0-9]{20,}|github_pat_[A-Za-z0-9_]{20,}|"
+    r"AKIA[0-9A-Z]{16}|sk-[A-Za-z0-9_-]{20,}|xox[abprs]-[A-Za-z0-9-]{10,}|"
+    r"eyJ[A-Za-z0-9_-]{8,}\.eyJ[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]{8,})\b)"
+    r"|(?P<url>(?<=://)[^\s/:@]+:[^\s/@]+(?=@))")
+REDACTED = "[redacted]"
+
+
+def redact(text: str, secrets: tuple[str, ...] = ()) -> str:
+    """``text`` without secrets: the given values (the job's ingest token), values of names that look
+    like secrets (``HF_TOKEN=...``, ``password: ...``), ``Bearer``/``Basic`` credentials, well-known token
+    shapes (Hugging Face, GitHub, AWS access key ids, OpenAI-style keys, Slack, JWTs) and passwords in
+    URLs. Used on both sides: by the trainer before a fault leaves the rank, by the control plane before
+    one is stored or shown."""
+    for s in secrets:
+        if s and len(s) >= 6:
+            text = text.replace(s, REDACTED)
+
+    def sub(m: re.Match) -> str:
+        if m.group("name"):
+            return f"{m.group('name')}{m.group('sep')}{m.group('q')}{REDACTED}"
+        if m.group("cred"):
+            return f"{m.group('scheme')} {REDACTED}"
+        if m.group("url"):
+            return f"{m.group('url').split(':', 1)[0]}:{REDACTED}"
+        return REDACTED
+
+    return _REDACT.sub(sub, text)
 
 
 class WireError(ValueError):

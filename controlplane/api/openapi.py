@@ -47,6 +47,8 @@ ROUTES = (
     Route(JOB + "/faults", "get", "listFaults", "Faults with their evidence, in the order recorded",
           s.FaultList,
           query=s.FaultsQuery, errors=READ),
+    Route(JOB + "/faults/{fault_id}", "get", "getFault", "One fault: why it happened, in one sentence with its proof",
+          s.FaultDetail, query=s.NoQuery, errors=READ),
     Route(JOB + "/cycles", "get", "listCycles", "Restart cycles with their marks and durations", s.CycleList,
           query=s.CyclesQuery, errors=READ),
     Route(JOB + "/checkpoints", "get", "listCheckpoints", "The checkpoint ledger", s.CheckpointList,
@@ -68,7 +70,7 @@ ERRORS = {
     400: "The body is not a JSON object.",
     401: "No valid credentials: send HTTP Basic credentials of an Unbroken account (or a session cookie).",
     403: "Not an operator, or a session write without its CSRF token.",
-    404: "No such job.",
+    404: "No such job (or no such fault of it).",
     405: "Another method: the Allow header lists the ones this path takes.",
     409: "The action cannot be carried out now (the job is over, the rank does not exist, ...).",
     413: "The body is larger than 64 KiB.",
@@ -105,6 +107,9 @@ def document() -> dict:
         params = []
         if "{job_id}" in r.path:
             params.append({"name": "job_id", "in": "path", "required": True,
+                           "schema": {"type": "integer", "minimum": 1}})
+        if "{fault_id}" in r.path:
+            params.append({"name": "fault_id", "in": "path", "required": True,
                            "schema": {"type": "integer", "minimum": 1}})
         if r.query is not None:
             q = components[r.query.__name__]

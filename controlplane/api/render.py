@@ -13,7 +13,7 @@ from controlplane.jobs import figures
 from controlplane.jobs import models as m
 from controlplane.jobs.goodput import PARTS
 from controlplane.jobs.versions import runtime_versions
-from trainer.wire import Layer
+from trainer.wire import Layer, redact
 
 
 def links(job: m.Job) -> schema.JobLinks:
@@ -88,7 +88,7 @@ def fault(f: m.Fault, rank_nodes: dict[int, str] | None = None) -> schema.Fault:
     fig = figures.fault_figures(f, rank_nodes=rank_nodes)
     return schema.Fault(
         id=f.pk, at=f.at, detected_at=f.detected_at, fault_class=f.fault_class, rank=f.rank, node=fig.node,
-        detected_by=f.detected_by, message=f.message, traceback=figures.traceback_in(f.message),
+        detected_by=f.detected_by, message=(msg := redact(f.message)), traceback=figures.traceback_in(msg),
         cycle=f.cycle.key if f.cycle is not None else None, layer=fig.layer, escalated_to=fig.escalated_to,
         detection_s=fig.detection_s, recovery_s=fig.recovery_s, recovering=fig.recovering,
         lost_steps=fig.lost_steps,
@@ -142,3 +142,11 @@ def audit(a: m.AuditEntry) -> schema.AuditEntry:
 def quarantined(q: m.QuarantinedHeartbeat) -> schema.Quarantined:
     return schema.Quarantined(id=q.pk, rank=q.rank, reason=q.reason, payload=q.payload, at=q.at,
                               count=q.count)
+
+
+def evidence(ev) -> schema.Evidence:
+    return schema.Evidence(
+        summary=ev.summary, exception_type=ev.exception_type, exception_message=ev.exception_message,
+        frames=[schema.Frame(file=f.file, line=f.line, function=f.function, code=f.code) for f in ev.frames],
+        signal=ev.signal, exit_code=ev.exit_code, phase=ev.phase, step=ev.step, log=ev.log, log_why=ev.log_why,
+    )

@@ -245,6 +245,33 @@ class FaultList(Struct, kw_only=True):
     next: str | None
 
 
+class Frame(Struct, kw_only=True):
+    file: str
+    line: int
+    function: str
+    code: str
+
+
+class Evidence(Struct, kw_only=True):
+    summary: Annotated[str, Meta(description="one sentence: who, what, where, which layer recovered it how fast, "
+                                             "what it cost (the same figures as the fault list)")]
+    exception_type: str | None
+    exception_message: str | None
+    frames: Annotated[list[Frame], Meta(description="the exception's last frames, innermost last")]
+    signal: Annotated[str | None, Meta(description="the signal that killed the process, e.g. SIGKILL")]
+    exit_code: int | None
+    phase: Annotated[str | None, Meta(description="'checkpoint save' when a save was in flight, else 'training'")]
+    step: int | None
+    log: Annotated[list[str], Meta(description="the rank's and the launcher's log lines around the fault "
+                                               "(local jobs), secrets redacted")]
+    log_why: str | None
+
+
+class FaultDetail(Struct, kw_only=True):
+    fault: Fault
+    evidence: Evidence
+
+
 class CycleMarks(Struct, kw_only=True):
     fault_at: Time | None
     detected_at: Time | None

@@ -9,6 +9,7 @@ urlpatterns = [
     path("jobs/<int:job_id>/goodput", views.job_goodput, name="goodput"),
     path("jobs/<int:job_id>/ranks", views.job_ranks, name="ranks"),
     path("jobs/<int:job_id>/faults", views.job_faults, name="faults"),
+    path("jobs/<int:job_id>/faults/<int:fault_id>", views.job_fault, name="fault"),
     path("jobs/<int:job_id>/cycles", views.job_cycles, name="cycles"),
     path("jobs/<int:job_id>/checkpoints", views.job_checkpoints, name="checkpoints"),
     path("jobs/<int:job_id>/commands", views.job_commands, name="commands"),

@@ -30,7 +30,7 @@ from controlplane.api.http import (
     query,
     respond,
 )
-from controlplane.jobs import figures, services
+from controlplane.jobs import evidence, figures, services
 from controlplane.jobs.models import (
     AuditEntry,
     Checkpoint,
@@ -161,6 +161,21 @@ def job_faults(request: HttpRequest, job_id: int) -> HttpResponse:
     nodes = job.rank_nodes()
     faults = [render.fault(f, nodes) for f in rows]
     return respond(schema.FaultList(faults=faults, next=next_link(request, q, after)))
+
+
+@api_view("GET")
+def job_fault(request: HttpRequest, job_id: int, fault_id: int) -> HttpResponse:
+    """One fault with its evidence and summary sentence (``jobs/evidence.py``)."""
+    authorise(request, act=False)
+    job = job_or_404(job_id)
+    query(request, schema.NoQuery)
+    f = Fault.objects.filter(job=job, pk=fault_id).select_related("cycle").first()
+    if f is None:
+        raise Refused(404, f"job {job.pk} has no fault {fault_id}")
+    nodes = job.rank_nodes()
+    tail = log_tail(job)
+    ev = evidence.fault_evidence(f, log_text=tail.text, log_why=tail.why, rank_nodes=nodes)
+    return respond(schema.FaultDetail(fault=render.fault(f, nodes), evidence=render.evidence(ev)))
 
 
 @api_view("GET")

@@ -36,7 +36,7 @@ from controlplane.jobs.models import (
     TrainingSample,
 )
 from controlplane.launchers.logs import log_tail
-from trainer.wire import CheckpointState, Layer
+from trainer.wire import CheckpointState, Layer, redact
 
 FOLLOW_WINDOW_S = 600.0
 FAULTS_PER_PAGE = 25
@@ -340,7 +340,7 @@ def fault_dict(f: Fault, nodes: dict[int, str]) -> dict:
         "fault_class": f.fault_class,
         "cycle_id": f.cycle_id,
         "detected_by": f.detected_by,
-        "message": f.message,
+        "message": redact(f.message),
         **figures.fault_figures(f, rank_nodes=nodes).as_dict(),
     }
 
@@ -424,6 +424,7 @@ def faults_part(job: Job, params) -> dict:
         rows.append(
             {
                 "f": f,
+                "message": redact(f.message),
                 "node": fig.node,
                 "layer": layer_words(fig.layer, fig.escalated_to),
                 "detection": charts.fmt_s(fig.detection_s),

@@ -10,6 +10,7 @@ urlpatterns = [
     path("jobs/new/", actions.job_new, name="job_new"),
     path("jobs/<int:job_id>/", views.job_detail, name="job"),
     path("jobs/<int:job_id>/live/", views.job_live, name="job_live"),
+    path("jobs/<int:job_id>/faults/<int:fault_id>/", views.fault_detail, name="fault"),
     path("jobs/<int:job_id>/part/<slug:name>/", views.job_part, name="job_part"),
     path("jobs/<int:job_id>/stop/", actions.job_stop, name="job_stop"),
     path("jobs/<int:job_id>/restart/", actions.job_restart, name="job_restart"),

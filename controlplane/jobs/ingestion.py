@@ -62,6 +62,7 @@ from trainer.wire import (
     EventKind,
     Layer,
     Phase,
+    redact,
 )
 
 log = logging.getLogger(__name__)
@@ -441,7 +442,7 @@ def _apply_faults(job: Job, fault_events: list[Any], cycles: dict[str, RestartCy
         fault_at = cycle.fault_at if cycle is not None and cycle.fault_at and cycle.fault_at < at else at
         rows.append(Fault(job=job, cycle=cycle, fault_class=d["fault"], rank=rank, node=d.get("node") or "",
                           detected_by=(d.get("detected_by") or "trainer")[:40],
-                          message=(d.get("message") or "")[:4096], at=fault_at, detected_at=at,
+                          message=redact(d.get("message") or "")[:4096], at=fault_at, detected_at=at,
                           source_key=f"event:{e.id}"))
     if rows:
         Fault.objects.bulk_create(rows, ignore_conflicts=True)

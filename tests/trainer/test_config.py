@@ -52,6 +52,17 @@ def test_it_parses_drills():
     assert Drill.parse("3:sigkill:1").key == "3:sigkill:1"
 
 
+def test_it_parses_a_slow_rank_drill_with_its_fraction():
+    assert Drill.parse("50:slow_rank:1:0.5") == Drill(step=50, fault=DrillFault.SLOW_RANK, rank=1, fraction=0.5)
+    assert Drill.parse("50:slow_rank:1").fraction == 0.3
+    with pytest.raises(ValueError, match="FRACTION"):
+        Drill.parse("50:slow_rank:1:fast")
+    with pytest.raises(ValueError, match="STEP:FAULT:RANK"):
+        Drill.parse("50:sigkill:1:0.5")  # only slow_rank takes a fraction
+    with pytest.raises(ValueError, match="--straggler-window"):
+        cfg("--straggler-window", "0.5")
+
+
 def test_it_orders_the_layer_timeouts():
     c = cfg("--hard-timeout", "40", "--step-timeout", "30")
     c.check_layers(in_job=False)

@@ -39,3 +39,16 @@ def test_it_refuses_clock_skew():
     with pytest.raises(WireError) as e:
         parse_batch(b, now=time.time())
     assert e.value.field == "sent_at" and "clock skew" in e.value.message
+
+
+def test_it_redacts_secrets_from_evidence():
+    from trainer.wire import redact
+
+    assert redact("HF_TOKEN=hf_abcdefghijklmnopqrstuvwx ok") == "HF_TOKEN=[redacted] ok"
+    assert redact("Authorization: Bearer abcdefgh12345678") == "Authorization: Bearer [redacted]"
+    assert redact('db password: "hunter22" x') == 'db password: "[redacted]" x'
+    assert redact("https://user:pa55word@host/x") == "https://user:[redacted]@host/x"
+    assert redact("key AKIAABCDEFGHIJKLMNOP here") == "key [redacted] here"
+    assert redact("sent with t0ken-abcdef", ("t0ken-abcdef",)) == "sent with [redacted]"
+    # Ordinary words stay: a fault message must remain readable.
+    assert redact("token count 5 at step 410: loss is nan") == "token count 5 at step 410: loss is nan"

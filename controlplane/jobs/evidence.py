@@ -1,0 +1,164 @@
+"""A fault's evidence and its one-sentence summary, assembled from stored facts.
+
+What proves a fault: for an exception, its type, message and last frames (the rank sends its
+traceback with the fault; ``trainer.usercode.record_fault``); for a killed process, the signal or exit
+code ft_launcher saw (the fault event's ``interruption``); the phase it happened in (a save in flight at
+the fault's time: "during checkpoint save"), the step; and the rank's log lines around the fault's time
+when the launcher keeps the job's log (``log_lines``: the caller passes the log text, the launchers own
+it). Everything shown is redacted (``wire.redact``) and capped. The sentence's numbers (recovery time,
+steps recomputed, the layer) are ``figures.fault_figures``'s, the one source the fault table, the
+timeline and the API read.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from datetime import datetime
+
+from controlplane.jobs import figures
+from controlplane.jobs.models import Checkpoint, Event, Fault
+from trainer.wire import FaultClass, redact
+
+MAX_FRAMES = 8
+MAX_LOG_LINES = 60
+LOG_BEFORE_S, LOG_AFTER_S = 10.0, 5.0
+_FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<fn>.+)$')
+_EXC = re.compile(r"^(?P<type>[A-Za-z_][\w.]*(?:Error|Exception|Interrupt|Exit|Warning|[A-Z]\w*))(?::\s?(?P<msg>.*))?$")
+_SIGNAL = re.compile(r"\b(SIG[A-Z0-9]+)\b")
+_EXIT = re.compile(r"\bexit(?: code| status)? (-?\d+)\b")
+# The launcher's and the ranks' log format: "2026-12-03 15:41:37,123 r1 INFO name: message".
+_LOG_LINE = re.compile(r"^(?P<ts>\d{4}-\d{2}-\d{2} \d{2}:\d{2}:\d{2}),(?P<ms>\d{3}) (?P<who>\S+) ")
+
+LAYER_ACTS = {
+    "in_process": "the NVRx in-process Wrapper restarted the training function",
+    "in_job": "ft_launcher restarted the worker group",
+    "job": "the control plane relaunched the job",
+}
+VERBS = {
+    FaultClass.EXCEPTION: "raised an exception",
+    FaultClass.HANG: "hung",
+    FaultClass.PROCESS_KILLED: "was killed",
+    FaultClass.NAN_LOSS: "produced a NaN loss",
+    FaultClass.HEARTBEAT_LOST: "stopped sending heartbeats",
+    FaultClass.STALLED: "stopped making progress",
+    FaultClass.NODE_LOST: "lost its node",
+    FaultClass.OOM_KILLED: "was killed for running out of memory (OOMKilled)",
+    FaultClass.EVICTED: "was evicted",
+    FaultClass.UNSCHEDULABLE: "could not be scheduled",
+    FaultClass.IMAGE_PULL: "could not pull its image",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Frame:
+    file: str
+    line: int
+    function: str
+    code: str
+
+
+@dataclass(frozen=True, slots=True)
+class Evidence:
+    summary: str
+    message: str = ""  # the fault's message as reported (with its traceback), redacted
+    exception_type: str | None = None
+    exception_message: str | None = None
+    frames: list[Frame] = field(default_factory=list)  # the last ones, innermost last
+    signal: str | None = None
+    exit_code: int | None = None
+    phase: str | None = None  # "checkpoint save" when a save was in flight at the fault's time
+    step: int | None = None
+    log: list[str] = field(default_factory=list)  # the rank's lines around the fault's time
+    log_why: str | None = None  # why there are none
+
+
+def parse_traceback(text: str) -> tuple[str | None, str | None, list[Frame]]:
+    """(exception type, its message, the last ``MAX_FRAMES`` frames) of the last traceback in ``text``."""
+    lines = text.splitlines()
+    frames: list[Frame] = []
+    exc_type = exc_msg = None
+    for i, line in enumerate(lines):
+        m = _FRAME.match(line)
+        if m:
+            code = lines[i + 1].strip() if i + 1 < len(lines) and not _FRAME.match(lines[i + 1]) else ""
+            frames.append(Frame(file=m["file"], line=int(m["line"]), function=m["fn"].strip(), code=code))
+    if frames:
+        for line in reversed(lines):
+            m = _EXC.match(line.strip())
+            if m and not line.startswith(" "):
+                exc_type, exc_msg = m["type"], (m["msg"] or "").strip()
+                break
+    return exc_type, exc_msg, frames[-MAX_FRAMES:]
+
+
+def log_lines(text: str | None, *, rank: int | None, at: datetime) -> list[str]:
+    """The lines of ``rank`` (and of the launcher) within ``LOG_BEFORE_S`` before and ``LOG_AFTER_S`` after
+    ``at``, with the untimed lines that follow one of them (a traceback, a faulthandler stack dump)."""
+    if not text:
+        return []
+    lo, hi = at.timestamp() - LOG_BEFORE_S, at.timestamp() + LOG_AFTER_S
+    wanted = {"launcher", f"r{rank}"} if rank is not None else {"launcher"}
+    out: list[str] = []
+    keep = False
+    for line in text.splitlines():
+        m = _LOG_LINE.match(line)
+        if m:
+            t = datetime.strptime(m["ts"], "%Y-%m-%d %H:%M:%S").timestamp() + int(m["ms"]) / 1000  # local time
+            keep = lo <= t <= hi and m["who"] in wanted
+        if keep:
+            out.append(redact(line[:500]))
+    return out[-MAX_LOG_LINES:]
+
+
+def fault_evidence(f: Fault, *, log_text: str | None = None, log_why: str | None = None,
+                   rank_nodes: dict[int, str] | None = None) -> Evidence:
+    """Everything that proves ``f``, with its summary sentence."""
+    fig = figures.fault_figures(f, rank_nodes=rank_nodes)
+    message = redact(f.message or "")
+    exc_type, exc_msg, frames = parse_traceback(message)
+    data: dict = {}
+    if f.source_key.startswith("event:"):
+        data = (Event.objects.filter(job_id=f.job_id, event_id=f.source_key[6:]).values_list("data", flat=True)
+                .first()) or {}
+    said = f"{data.get('interruption') or ''} {message}"
+    sig = _SIGNAL.search(said)
+    code = _EXIT.search(str(data.get("interruption") or ""))
+    step = data.get("step") if type(data.get("step")) is int else (f.cycle.step_at_fault if f.cycle else None)
+    saving = Checkpoint.objects.filter(job_id=f.job_id, started_at__lte=f.at).exclude(finished_at__lt=f.at).exists()
+    ev = Evidence(summary="", message=message, exception_type=exc_type, exception_message=exc_msg, frames=frames,
+                  signal=sig.group(1) if sig else None, exit_code=int(code.group(1)) if code else None,
+                  phase="checkpoint save" if saving else ("training" if step is not None else None), step=step,
+                  log=log_lines(log_text, rank=f.rank, at=f.at), log_why=log_why)
+    return Evidence(**{**{k: getattr(ev, k) for k in Evidence.__slots__}, "summary": summary(f, fig, ev)})
+
+
+def summary(f: Fault, fig: figures.FaultFigures, ev: Evidence) -> str:
+    """One sentence: who, what, where in the loop, which layer recovered it how fast, what it cost."""
+    who = f"rank {f.rank}" if f.rank is not None else "the job"
+    if fig.node:
+        who += f" on {fig.node}"
+    what = VERBS.get(f.fault_class, f"failed ({f.fault_class})")
+    if f.fault_class == FaultClass.PROCESS_KILLED and ev.signal:
+        what = f"was killed by {ev.signal}"
+    elif f.fault_class == FaultClass.PROCESS_KILLED and ev.exit_code is not None:
+        what = f"exited with code {ev.exit_code}"
+    elif f.fault_class == FaultClass.EXCEPTION and ev.exception_type:
+        what = f"raised {ev.exception_type}" + (f" ({ev.exception_message[:80]})" if ev.exception_message else "")
+    if ev.phase == "checkpoint save":
+        what += " during checkpoint save"
+    if ev.step is not None:
+        what += f" at step {ev.step}"
+    act = LAYER_ACTS.get(fig.layer or "")
+    if act is None:
+        then = "no restart layer handled it"
+    elif fig.recovering:
+        then = act.replace("restarted", "is restarting").replace("relaunched", "is relaunching")
+    elif fig.escalated_to:
+        then = act.replace("restarted", "tried to restart") + f", then handed it on to {fig.escalated_to}"
+    else:
+        then = act + (f" in {fig.recovery_s:.1f} s" if fig.recovery_s is not None else "")
+    out = f"{who} {what}; {then}"
+    if fig.lost_steps is not None:
+        out += f"; {fig.lost_steps} step{'s were' if fig.lost_steps != 1 else ' was'} recomputed"
+    return out[:1].upper() + out[1:] + "."
