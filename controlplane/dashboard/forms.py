@@ -108,10 +108,16 @@ class JobForm(forms.Form):
     storm_restarts = forms.IntegerField(
         min_value=1, help_text="restarts without step progress before the job is stopped"
     )
+    straggler_margin_pct = forms.FloatField(
+        required=False, label="Straggler margin (%)",
+        help_text="a rank whose own work per step is this much above the others' median is a straggler; 0 = off")
+    straggler_window_s = forms.FloatField(
+        required=False, label="Straggler window (s)", help_text="each rank's work per step is averaged over this")
     drills = forms.CharField(
         required=False,
         widget=forms.Textarea(attrs={"rows": 3}),
-        help_text="one per line: step:fault:rank, fault one of " + ", ".join(f.value for f in DrillFault),
+        help_text="one per line: step:fault:rank, fault one of " + ", ".join(f.value for f in DrillFault)
+                  + " (slow_rank takes a fourth part, the fraction slower: 60:slow_rank:1:0.3)",
     )
     notify_webhook_url = forms.URLField(
         required=False, assume_scheme="https", label="Webhook URL (notifications)"
@@ -189,12 +195,16 @@ class JobForm(forms.Form):
             if not line:
                 continue
             parts = line.split(":")
-            if len(parts) != 3:
-                raise SpecError({f"drills[{i}]": f"line {i + 1}: write step:fault:rank, e.g. 60:exception:1"})
+            slow = len(parts) == 4 and parts[1].strip() == DrillFault.SLOW_RANK
+            if len(parts) != 3 and not slow:
+                raise SpecError({f"drills[{i}]": f"line {i + 1}: write step:fault:rank, e.g. 60:exception:1 "
+                                                 "(or step:slow_rank:rank:fraction)"})
             try:
-                drills.append({"step": int(parts[0]), "fault": parts[1].strip(), "rank": int(parts[2])})
+                drills.append({"step": int(parts[0]), "fault": parts[1].strip(), "rank": int(parts[2]),
+                               **({"fraction": float(parts[3])} if slow else {})})
             except ValueError:
-                raise SpecError({f"drills[{i}]": f"line {i + 1}: step and rank must be integers"}) from None
+                raise SpecError({f"drills[{i}]": f"line {i + 1}: step and rank must be integers, "
+                                                 "a fraction a number"}) from None
         data["drills"] = drills
         data["entrypoint"] = (c.get("entrypoint") or "").strip()
         data["working_dir"] = (c.get("working_dir") or "").strip()

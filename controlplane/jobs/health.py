@@ -15,12 +15,16 @@ windowed figure comes back under the margin.
 
 from __future__ import annotations
 
+import dataclasses
 from datetime import datetime
 
 from controlplane.jobs.heartbeats import RankState, Timeouts, utc
 from controlplane.jobs.models import Rank, RankHealth
 from controlplane.jobs.outages import grace_s
+from controlplane.jobs.spec import JobSpec
 from trainer.wire import Phase
+
+_MARGIN_DEFAULT = next(f.default for f in dataclasses.fields(JobSpec) if f.name == "straggler_margin_pct")
 
 
 def current(row: Rank, fresh: RankState | None, timeouts: Timeouts, now: datetime) -> Rank:
@@ -74,9 +78,8 @@ def judge(row: Rank, now: datetime, windows: list[tuple[float, float]] = (),
 
 def straggler_margin_pct(spec: dict) -> float:
     """The job's margin (``JobSpec.straggler_margin_pct``, read from the stored dict; 0: detection off)."""
-    from controlplane.jobs.spec import JobSpec
-
-    return float(spec.get("straggler_margin_pct", JobSpec.straggler_margin_pct))
+    value = spec.get("straggler_margin_pct")
+    return float(_MARGIN_DEFAULT if value is None else value)
 
 
 def slowdowns(busy: dict[int, float], margin_pct: float) -> dict[int, float]:

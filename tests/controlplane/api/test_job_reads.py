@@ -211,7 +211,7 @@ def test_it_answers_another_method_with_405_json(client, viewer, job):
 def test_it_refuses_anonymous_readers_everywhere(client, job):
     doc = client.get(DOC).json()
     for path, ops in doc["paths"].items():
-        url = path.replace("{job_id}", str(job.pk))
+        url = path.replace("{job_id}", str(job.pk)).replace("{fault_id}", "1")
         for method in ops:
             r = getattr(client, method)(url, content_type="application/json")
             assert r.status_code == 401, (method, url)

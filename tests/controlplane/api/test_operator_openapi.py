@@ -71,13 +71,15 @@ def test_it_answers_a_schema_driven_fuzzer_over_every_read(client, post, settle)
     with _connection_kept():
         api = schemathesis.openapi.from_wsgi(DOC, application)
         reads = [op.ok() for op in api.get_all_operations() if op.ok().method.upper() == "GET"]
-        assert len(reads) == sum(r.method == "get" for r in openapi.ROUTES) == 12
+        assert len(reads) == sum(r.method == "get" for r in openapi.ROUTES) == 13
         for op in reads:
             _fuzz(op, job, cookie)
 
 
 def _fuzz(op, job, cookie):
     params = {"job_id": job.pk} if "{job_id}" in op.path else {}
+    if "{fault_id}" in op.path:
+        params["fault_id"] = job.faults.order_by("id").values_list("id", flat=True).first()
 
     @settings(max_examples=25, derandomize=True, deadline=None, database=None,
               suppress_health_check=list(HealthCheck))
