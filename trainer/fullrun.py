@@ -12,6 +12,7 @@ such a function too (``trainer/examples/synthetic.py``): there is no other train
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import math
@@ -29,6 +30,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from trainer.checkpoint import Checkpointer
 from trainer.control import EXIT_RESTART_IN_JOB, Control, NanLossError, RestartRequested, ack_event
 from trainer.config import TrainConfig
+from trainer.evidence import exception_text
 from trainer.runtime import RankEnv, Session, connect_store
 from trainer.usercode import UserRun
 from trainer.wire import CheckpointMode, CommandKind, CycleMark, DrillFault, EventKind, FaultClass, Layer, Phase
@@ -364,7 +366,13 @@ def run(fn: Callable[[Context], Any], impl: UserRun | None) -> Any:
 
     def attempt(scope: Any) -> Any:
         ctx = Context(session=session, scope=scope, impl=impl)
-        result = fn(ctx)
+        try:
+            result = fn(ctx)
+        except BaseException as e:
+            # Its frames, taken while they exist (the in-process layer hands the exception on without them).
+            with contextlib.suppress(Exception):
+                e._unbroken_traceback = exception_text(e, (cfg.token,))  # type: ignore[attr-defined]
+            raise
         ctx._finish()
         return result
 

@@ -27,7 +27,8 @@ import torch.distributed as dist
 
 from trainer import nvrx_compat
 from trainer.runtime import Session, take_fault
-from trainer.wire import CycleMark, EventKind, FaultClass, Layer
+from trainer.evidence import exception_text, main_thread_stack
+from trainer.wire import MAX_EVIDENCE_CHARS, CycleMark, EventKind, FaultClass, Layer
 
 log = logging.getLogger(__name__)
 
@@ -175,6 +176,10 @@ def shutdown_gloo_sockets(keep_ports: tuple[int, ...]) -> int:
     return n
 
 
+def _with_traceback(message: str, tb: str | None) -> str:
+    return f"{message}\n\n{tb}"[:MAX_EVIDENCE_CHARS] if tb else message
+
+
 def _interruption_to_fault(names: list[str]) -> FaultClass:
     if any(n in ("SOFT_TIMEOUT", "HARD_TIMEOUT") for n in names):
         return FaultClass.HANG
@@ -227,6 +232,11 @@ def build_in_process_wrapper(session: Session) -> Any:
         def __call__(self, state: Any) -> Any:
             cycle = session.cycle(state.iteration + 1)
             session.mark(cycle, CycleMark.DETECTED)
+            # Evidence for a hang: where this rank's main thread is now (taken from this monitor thread;
+            # the job log keeps it, and the fault page shows the rank's lines around the fault).
+            stack = main_thread_stack((session.cfg.token,))
+            if stack:
+                log.info("abort at step %s: %s", session.last_step, stack)
             try:
                 if gloo:
                     if dist.is_available() and dist.is_initialized():
@@ -246,7 +256,9 @@ def build_in_process_wrapper(session: Session) -> Any:
         def __call__(self, state: Any) -> Any:
             exc = state.fn_exception
             if exc is not None and not _is_peer_error(exc):
-                session.record_fault(FaultClass.EXCEPTION, repr(exc))
+                session.record_fault(FaultClass.EXCEPTION, repr(exc),
+                                     traceback_text=getattr(exc, "_unbroken_traceback", None)
+                                     or exception_text(exc, (session.cfg.token,)))
             if session.checkpointer is not None:
                 settle_checkpoint(session.checkpointer, budget_s=min(5.0, cfg.hard_timeout / 4))
                 session.checkpointer = None
@@ -275,7 +287,8 @@ def build_in_process_wrapper(session: Session) -> Any:
             ranks = sorted({r["rank"] for r in recs})
             session.reporter.event(EventKind.FAULT, {
                 "fault": fault, "cycle": cycle.key if cycle else None, "detected_by": Layer.IN_PROCESS,
-                "message": facts.get("message") or ", ".join(f"rank {r['rank']}: {r['interruption']}" for r in recs),
+                "message": _with_traceback(facts.get("message") or ", ".join(
+                    f"rank {r['rank']}: {r['interruption']}" for r in recs), facts.get("traceback")),
                 "rank": facts.get("rank", ranks[0] if ranks else None),
                 "interruption": ",".join(sorted(set(names))) or None, "interruptions": recs,
                 "step": facts.get("step", session.last_step),

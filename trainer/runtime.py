@@ -26,7 +26,7 @@ import torch.distributed as dist
 from trainer.config import TrainConfig
 from trainer.ports import free_port_block
 from trainer.reporter import Reporter
-from trainer.wire import CycleMark, EventKind, FaultClass, Layer, cycle_key
+from trainer.wire import CycleMark, EventKind, FaultClass, Layer, cycle_key, redact
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +103,21 @@ def record_fault_facts(store: Any, restart_count: int, rec: dict[str, Any]) -> N
         log.warning("could not record fault facts in the app store", exc_info=True)
 
 
+def add_traceback(store: Any, restart_count: int, rec: dict[str, Any]) -> None:
+    """A drill recorded this rank's fault a moment before it raised (first record wins): add what the
+    exception proves (its message and traceback) to that record."""
+    key = fault_key(restart_count)
+    try:
+        if not store.check([key]):
+            return
+        first = json.loads(store.get(key) or b"{}")
+        if first.get("rank") == rec["rank"] and not first.get("traceback"):
+            first.update(message=f"{first.get('message', '')}: {rec['message']}"[:500], traceback=rec["traceback"])
+            store.set(key, json.dumps(first))
+    except Exception:
+        log.warning("could not add the traceback to the fault facts", exc_info=True)
+
+
 def take_fault(store: Any, restart_count: int) -> dict[str, Any] | None:
     """Consume the fault facts recorded by the faulty rank in round ``restart_count`` (first wins)."""
     key = fault_key(restart_count)
@@ -166,11 +181,15 @@ class Session:
         self.reporter.event(EventKind.CYCLE, data, at=at, **({} if rank is None else {"rank": rank}))
 
     def record_fault(self, fault: FaultClass | str, message: str, *, kind: str = "fault",
-                     command_id: int | None = None) -> None:
-        """Leave the facts only the faulty rank knows (class, time, its last completed step; for a
-        restart command, the command) for whoever reports the cycle."""
+                     command_id: int | None = None, traceback_text: str = "") -> None:
+        """Leave the facts only the faulty rank knows (class, time, its last completed step, its traceback;
+        for a restart command, the command) for whoever reports the cycle. Redacted of secrets."""
+        secrets = (self.cfg.token,)
         rec = {"fault": str(fault), "rank": RankEnv.rank(), "at": time.time(), "iteration": self.iteration,
-               "message": message[:500], "kind": kind, "step": self.last_step}
+               "message": redact(message, secrets)[:500], "kind": kind, "step": self.last_step,
+               "traceback": redact(traceback_text, secrets)}
         if command_id is not None:
             rec["command_id"] = command_id
         record_fault_facts(self.app_store, self.env.restart_count, rec)
+        if traceback_text:
+            add_traceback(self.app_store, self.env.restart_count, rec)

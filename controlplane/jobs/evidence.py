@@ -92,12 +92,13 @@ def parse_traceback(text: str) -> tuple[str | None, str | None, list[Frame]]:
     return exc_type, exc_msg, frames[-MAX_FRAMES:]
 
 
-def log_lines(text: str | None, *, rank: int | None, at: datetime) -> list[str]:
-    """The lines of ``rank`` (and of the launcher) within ``LOG_BEFORE_S`` before and ``LOG_AFTER_S`` after
-    ``at``, with the untimed lines that follow one of them (a traceback, a faulthandler stack dump)."""
+def log_lines(text: str | None, *, rank: int | None, at: datetime, until: datetime | None = None) -> list[str]:
+    """The lines of ``rank`` (and of the launcher) from ``LOG_BEFORE_S`` before ``at`` to ``LOG_AFTER_S`` after
+    ``until`` (its detection; default ``at``), with the untimed lines that follow one of them (a traceback,
+    the stack of a hung rank's main thread that the in-process layer logs at abort)."""
     if not text:
         return []
-    lo, hi = at.timestamp() - LOG_BEFORE_S, at.timestamp() + LOG_AFTER_S
+    lo, hi = at.timestamp() - LOG_BEFORE_S, max(at, until or at).timestamp() + LOG_AFTER_S
     wanted = {"launcher", f"r{rank}"} if rank is not None else {"launcher"}
     out: list[str] = []
     keep = False
@@ -129,7 +130,7 @@ def fault_evidence(f: Fault, *, log_text: str | None = None, log_why: str | None
     ev = Evidence(summary="", message=message, exception_type=exc_type, exception_message=exc_msg, frames=frames,
                   signal=sig.group(1) if sig else None, exit_code=int(code.group(1)) if code else None,
                   phase="checkpoint save" if saving else ("training" if step is not None else None), step=step,
-                  log=log_lines(log_text, rank=f.rank, at=f.at), log_why=log_why)
+                  log=log_lines(log_text, rank=f.rank, at=f.at, until=f.detected_at), log_why=log_why)
     return Evidence(**{**{k: getattr(ev, k) for k in Evidence.__slots__}, "summary": summary(f, fig, ev)})
 
 

@@ -40,6 +40,13 @@ def test_it_recovers_and_matches_the_uninterrupted_loss(tmp_path, receiver, base
     assert len(faults) == 1, faults
     f = faults[0]["data"]
     assert (f["fault"], f["detected_by"], f["cycle"], f["rank"]) == (fault_class, layer, cycle, 1)
+    # Evidence from the rank itself: an exception's traceback; for a hang, the stack of the hung main thread
+    # that the in-process layer's monitor thread logs at abort.
+    if fault == "exception":
+        assert "Traceback (most recent call last)" in f["message"] and "DrillError" in f["message"], f["message"]
+    if fault == "hang":
+        assert "r1 INFO trainer.resilience: abort at step 12: Stack of the main thread" in run.log, run.log[-4000:]
+        assert "in fire" in run.log.split("abort at step 12: Stack of the main thread")[1][:3000]
     marks = cycle_marks(receiver.events(), cycle)
     for m in ("fault_at", "detected_at", "aborted_at", "restarted_at", "checkpoint_loaded_at", "first_step_at"):
         assert m in marks, (m, sorted(marks))

@@ -1,0 +1,35 @@
+"""What a rank can say about its own fault, taken without stopping the loop: its exception's traceback,
+and the main thread's Python stack (taken from another thread when the main one is hung: the in-process
+layer's monitor thread, at abort). Both are capped and redacted (``wire.redact``) before they leave the
+rank. Taking a stack is ``sys._current_frames`` plus formatting, on the calling thread: the main thread
+is never paused (``make bench-straggler`` measures the step time it adds, ``evidence_ms``).
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import traceback
+
+from trainer.wire import MAX_EVIDENCE_CHARS, redact
+
+MAX_FRAMES = 12
+
+
+def _cap(text: str) -> str:
+    return text if len(text) <= MAX_EVIDENCE_CHARS else "...\n" + text[-(MAX_EVIDENCE_CHARS - 4):]
+
+
+def exception_text(exc: BaseException, secrets: tuple[str, ...] = ()) -> str:
+    """The exception's traceback (its last frames), as Python prints it, redacted and capped."""
+    lines = traceback.format_exception(type(exc), exc, exc.__traceback__, limit=-MAX_FRAMES)
+    return _cap(redact("".join(lines).rstrip(), secrets))
+
+
+def main_thread_stack(secrets: tuple[str, ...] = ()) -> str:
+    """The main thread's current Python stack (innermost last), redacted and capped; "" if unavailable."""
+    frame = sys._current_frames().get(threading.main_thread().ident)  # noqa: SLF001 - the documented way
+    if frame is None:
+        return ""
+    lines = traceback.format_stack(frame, limit=MAX_FRAMES)  # walked from the innermost frame: its nearest 12
+    return _cap(redact("Stack of the main thread (most recent call last):\n" + "".join(lines).rstrip(), secrets))
