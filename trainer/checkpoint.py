@@ -18,6 +18,7 @@ buffers) there is none, and the load falls back to the newest durable checkpoint
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import copy
 import logging
@@ -25,6 +26,7 @@ import os
 import re
 import shutil
 import threading
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -134,7 +136,128 @@ def _copy_into(dst: Any, src: Any) -> Any:
     return copy.deepcopy(src)
 
 
-def _snapshot_stager(memory: MemorySnapshot | None) -> Any:
+# -- the saver process -------------------------------------------------------------------------------
+#
+# DCP's THREAD executor plans, serializes and writes in a thread of the training process: it holds the
+# GIL for much of that and its CPU time lands on the step's cores, so an async save costs the loop
+# about what a sync one blocks (in slower steps). The saver process runs DCP's save instead (its
+# PROCESS executor, one daemon per rank with its own gloo group), started once per process from the
+# main thread and kept across in-process restarts, at the lowest CPU and I/O priority: it runs on
+# what the steps leave idle. The staged copy lives in shared memory, so a save sends the saver
+# handles, not bytes. It dies with its rank (PR_SET_PDEATHSIG); it never re-runs the user's script.
+
+PR_SET_PDEATHSIG = 1
+IOPRIO_CLASS_IDLE = 3
+IOPRIO_WHO_PROCESS = 1
+SAVER_NICE = 19
+
+try:
+    from torch.distributed.checkpoint._async_process_executor import (
+        _AsyncCheckpointProcess,
+        _ProcessGroupInitInfo,
+    )
+except ImportError:  # an older torch: the THREAD executor only
+    _AsyncCheckpointProcess = None  # type: ignore[assignment,misc]
+
+
+def _follow_parent_at_low_priority(parent_pid: int) -> None:
+    """In the saver process, before its gloo group's threads start (they inherit all of this)."""
+    import ctypes
+    import signal
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent_pid:  # the rank died before the line above
+        os._exit(0)
+    with contextlib.suppress(OSError):
+        os.setpriority(os.PRIO_PROCESS, 0, SAVER_NICE)
+    with contextlib.suppress(OSError, AttributeError):
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    with contextlib.suppress(Exception):  # ioprio_set (x86_64: 251, aarch64: 30)
+        nr = {"x86_64": 251, "aarch64": 30}.get(os.uname().machine)
+        if nr is not None:
+            libc.syscall(nr, IOPRIO_WHO_PROCESS, 0, IOPRIO_CLASS_IDLE << 13)
+
+
+if _AsyncCheckpointProcess is not None:
+
+    class SaverProcess(_AsyncCheckpointProcess):  # type: ignore[misc,valid-type]
+        """DCP's checkpoint daemon, at low priority and tied to its rank."""
+
+        def _send(self, data: Any) -> None:
+            # Storages by shared-memory name: the default (file descriptors) has the saver fetch every
+            # storage's descriptor from this process's resource-sharer thread, hundreds of GIL-bound
+            # round trips that stall the training thread.
+            import torch.multiprocessing as tmp
+
+            before = tmp.get_sharing_strategy()
+            tmp.set_sharing_strategy("file_system")
+            try:
+                super()._send(data)
+            finally:
+                tmp.set_sharing_strategy(before)
+
+        @staticmethod
+        def _checkpointing_subprocess(pg_init_info: Any, parent_conn: Any) -> None:
+            _follow_parent_at_low_priority(pg_init_info.parent_pid)
+            _AsyncCheckpointProcess._checkpointing_subprocess(pg_init_info, parent_conn)
+
+
+@contextlib.contextmanager
+def _without_main_module() -> Any:
+    """multiprocessing's spawn re-imports ``__main__`` in the child (the user's script, run by the shim
+    through runpy): hide it while the saver starts, so the child imports only what it unpickles."""
+    import sys
+    import types
+
+    main = sys.modules["__main__"]
+    sys.modules["__main__"] = types.ModuleType("__main__")
+    try:
+        yield
+    finally:
+        sys.modules["__main__"] = main
+
+
+def saver_process_available() -> bool:
+    return _AsyncCheckpointProcess is not None
+
+
+def _saver_alive() -> bool:
+    import torch.distributed.checkpoint._async_process_executor as ape
+
+    proc = ape._CHECKPOINT_PROCESS
+    return proc is not None and proc._save_process.is_alive()
+
+
+def _start_saver(pg: Any) -> None:
+    """Every rank at once (one broadcast on ``pg``): this process's saver, if it has none."""
+    import torch.distributed.checkpoint._async_process_executor as ape
+
+    info = _ProcessGroupInitInfo(pg)
+    info.parent_pid = os.getpid()  # type: ignore[attr-defined]
+    if threading.current_thread() is not threading.main_thread():
+        raise RuntimeError("the checkpoint saver must be started from the main thread (PR_SET_PDEATHSIG "
+                           "follows the thread that started it)")
+    with _without_main_module():
+        ape._CHECKPOINT_PROCESS = SaverProcess(info)
+
+
+def stop_saver(timeout_s: float = 5.0) -> None:
+    """End this process's saver (a save it may be stuck in dies with it)."""
+    import torch.distributed.checkpoint._async_process_executor as ape
+
+    proc, ape._CHECKPOINT_PROCESS = ape._CHECKPOINT_PROCESS, None
+    if proc is None:
+        return
+    p = proc._save_process
+    if p.is_alive():
+        p.kill()
+        p.join(timeout_s)
+    with contextlib.suppress(Exception):
+        proc._process_pipe.close()
+
+
+def _snapshot_stager(memory: MemorySnapshot | None, *, shared: bool = False) -> Any:
     from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
     class SnapshotStager(DefaultStager):
@@ -155,10 +278,11 @@ def _snapshot_stager(memory: MemorySnapshot | None) -> Any:
             fut.add_done_callback(done)
             return fut
 
-    # CPU: no pinned/shared memory, no non-blocking copies (they need an accelerator). Staging runs in
-    # the background and overlaps the next forward/backward.
-    return SnapshotStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False,
-                                         use_async_staging=True, use_non_blocking_copy=False))
+    # CPU: no pinned memory, no non-blocking copies (they need an accelerator); shared memory for the
+    # saver process (allocated once: the stager reuses its buffers). Staging runs in the background
+    # and overlaps the next forward/backward.
+    return SnapshotStager(StagingOptions(use_pinned_memory=False, use_shared_memory=shared,
+                                         use_async_staging=os.environ.get("EXP_SYNCSTAGE") != "1", use_non_blocking_copy=False))
 
 
 @dataclass(slots=True)
@@ -168,6 +292,20 @@ class _InFlight:
     started_at: float
     blocking_s: float
     staged: bool
+    baseline_s: float | None = None  # the median step time just before the save (None: not known)
+    overlap_s: float = 0.0  # the steps that overlapped the save: their total time and number
+    overlap_n: int = 0
+
+    def interference_s(self) -> float | None:
+        """The extra time of the steps that overlapped the save against the steps just before it,
+        without what the loop blocked on the save (counted in ``blocking_s``)."""
+        if self.baseline_s is None or not self.overlap_n:
+            return None
+        return max(0.0, self.overlap_s - self.overlap_n * self.baseline_s - self.blocking_s)
+
+
+#: Step times (between ``poll`` calls) with no save in flight kept as the baseline of the next save.
+BASELINE_STEPS = 5
 
 
 class Checkpointer:
@@ -175,13 +313,23 @@ class Checkpointer:
 
     def __init__(self, *, root: str, mode: CheckpointMode, keep: int, pg: Any, report: Callable[..., None],
                  atomic: Callable[[], ContextManager[Any]] = contextlib.nullcontext,
-                 memory: MemorySnapshot | None = None):
+                 memory: MemorySnapshot | None = None, saver: bool | None = None):
         self.root, self.mode, self.keep, self.pg, self.memory = root, mode, keep, pg, memory
+        # Async saves in the saver process (default where this torch has it), else in a thread.
+        if saver is None:
+            saver = os.environ.get("UNBROKEN_CKPT_SAVER", "process") != "thread"
+        # (PR_SET_PDEATHSIG follows the thread that starts the saver: only the main thread does.)
+        self.saver = (bool(saver) and saver_process_available()
+                      and threading.current_thread() is threading.main_thread())
+        self._had_saver = False  # this rank's saver was running: if it is gone, it died
         self.restored_from: RestoredFrom | None = None  # where the last load came from
         self.rank = dist.get_rank(pg)
         self._report, self._atomic = report, atomic
         self._in_flight: _InFlight | None = None
         self._stager: Any = None
+        self._last_tick: float | None = None  # the previous poll (a step boundary)
+        self._clean: collections.deque[float] = collections.deque(maxlen=BASELINE_STEPS)
+        self._tainted = False  # the current step blocked on a sync save: not a baseline step
         os.makedirs(root, exist_ok=True)
 
     # -- load ---------------------------------------------------------------------------------------
@@ -205,7 +353,13 @@ class Checkpointer:
                     shutil.rmtree(path, ignore_errors=True)
         snap_step, snap = self.memory.get() if self.memory is not None else (None, None)
         views: list[Any] = [None] * dist.get_world_size(self.pg)
-        dist.all_gather_object(views, (snap_step, durable), group=self.pg)
+        saver_ok = self.saver and _saver_alive()
+        dist.all_gather_object(views, (snap_step, durable, saver_ok), group=self.pg)
+        if self.saver:  # every rank keeps its saver, or every rank starts a new one at the next save
+            if all(v[2] for v in views):
+                self._had_saver = True
+            else:
+                stop_saver()
         durable = views[0][1]
         steps = {v[0] for v in views}
         mem_step = steps.pop() if len(steps) == 1 else None
@@ -229,16 +383,30 @@ class Checkpointer:
         path = step_dir(self.root, step)
         t0 = time.perf_counter()
         if mode == CheckpointMode.SYNC:
+            self._tainted = True
             dcp.save({"app": state}, checkpoint_id=path, process_group=self.pg)
             blocking = time.perf_counter() - t0
             self._commit(step, mode, blocking_s=blocking, write_s=blocking)
             return
         stager = self._get_stager()
         stager.step = step
-        resp = dcp.async_save({"app": state}, checkpoint_id=path, process_group=self.pg, async_stager=stager)
+        kwargs: dict[str, Any] = {}
+        if self.saver:
+            if not _saver_alive():
+                if self._had_saver:
+                    raise RuntimeError("unbroken: this rank's checkpoint saver process died")
+                _start_saver(self.pg)
+            self._had_saver = True
+            from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+            kwargs["async_checkpointer_type"] = AsyncCheckpointerType.PROCESS
+        if os.environ.get("EXP_NOFSYNC") == "1":
+            kwargs["storage_writer"] = dcp.FileSystemWriter(path, sync_files=False)
+        resp = dcp.async_save({"app": state}, checkpoint_id=path, process_group=self.pg, async_stager=stager,
+                              **kwargs)
         blocking = time.perf_counter() - t0
         self._in_flight = _InFlight(step=step, response=resp, started_at=t0, blocking_s=blocking,
-                                    staged=not hasattr(resp, "staging_completion"))
+                                    staged=not hasattr(resp, "staging_completion"),
+                                    baseline_s=statistics.median(self._clean) if self._clean else None)
         self._emit(step=step, mode=mode, state=CheckpointState.IN_FLIGHT, blocking_s=round(blocking, 6))
 
     def maybe_wait_for_staging(self) -> None:
@@ -252,26 +420,48 @@ class Checkpointer:
         f.staged = True
 
     def poll(self) -> None:
-        """Commit the in-flight save if it is done; never blocks."""
+        """Once per step (a step boundary): time the step, and commit the in-flight save if it is done;
+        never blocks."""
+        self._tick()
         f = self._in_flight
         if f is not None and _upload(f.response).done():
             self.wait()
 
+    def _tick(self) -> None:
+        """A step ended: its time counts against the in-flight save (interference), or as a baseline
+        step when nothing was in flight and it did not block on a sync save."""
+        now = time.perf_counter()
+        if self._last_tick is not None:
+            dt = now - self._last_tick
+            f = self._in_flight
+            if f is not None:
+                f.overlap_s += dt
+                f.overlap_n += 1
+            elif not self._tainted:
+                self._clean.append(dt)
+        self._last_tick, self._tainted = now, False
+
     def wait(self) -> None:
-        """Finish the in-flight save (if any) and commit it."""
+        """Finish the in-flight save (if any) and commit it. The time the loop waits here is blocking
+        time (the next save waits for the previous one)."""
         f = self._in_flight
         if f is None:
             return
         self.maybe_wait_for_staging()
         self._in_flight = None
+        t0 = time.perf_counter()
         try:
             _upload(f.response).result()
         except Exception as e:
             self._emit(step=f.step, mode=CheckpointMode.ASYNC, state=CheckpointState.FAILED,
                        detail=repr(e)[:500])
             raise
+        f.blocking_s += time.perf_counter() - t0
+        interference = f.interference_s()
+        self._tainted = True  # the step that waited here is not a baseline step
         self._commit(f.step, CheckpointMode.ASYNC, blocking_s=f.blocking_s,
-                     write_s=time.perf_counter() - f.started_at)
+                     write_s=time.perf_counter() - f.started_at,
+                     interference_s=None if interference is None else round(interference, 6))
 
     def abandon(self, timeout_s: float = 10.0) -> None:
         """After a fault (process groups aborted): let the in-flight save end, commit it only if it
@@ -283,6 +473,8 @@ class Checkpointer:
         try:
             _upload(f.response).result(timeout=timeout_s)
         except Exception as e:
+            if self.saver:  # it may be stuck in the save (a peer rank never sent its part): end it
+                stop_saver()
             self._emit(step=f.step, mode=CheckpointMode.ASYNC, state=CheckpointState.ABANDONED,
                        detail=f"restart: {e!r}"[:500])
             return
@@ -300,10 +492,11 @@ class Checkpointer:
 
     def _get_stager(self) -> Any:
         if self._stager is None:
-            self._stager = _snapshot_stager(self.memory)
+            self._stager = _snapshot_stager(self.memory, shared=self.saver)
         return self._stager
 
-    def _commit(self, step: int, mode: CheckpointMode, *, blocking_s: float, write_s: float) -> None:
+    def _commit(self, step: int, mode: CheckpointMode, *, blocking_s: float, write_s: float,
+                interference_s: float | None = None) -> None:
         if self.rank != 0:
             return
         path = step_dir(self.root, step)
@@ -315,7 +508,7 @@ class Checkpointer:
                 os.fsync(f.fileno())
         write_iteration_file(self.root, step)
         self._emit(step=step, mode=mode, state=CheckpointState.DURABLE, blocking_s=round(blocking_s, 6),
-                   write_s=round(write_s, 6), bytes=dir_bytes(path))
+                   write_s=round(write_s, 6), bytes=dir_bytes(path), interference_s=interference_s)
         self._gc()
 
     def _gc(self) -> None:
