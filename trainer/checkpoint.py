@@ -5,9 +5,16 @@ save future completes after it has gathered every rank's write result and writte
 rank 0 has placed the ``COMMITTED`` marker. Anything else is torn and never loaded.
 
 Async saves run on their own gloo process group (sharing FSDP's group deadlocks: the DCP thread's
-collectives interleave with FSDP's), with the THREAD executor and one persistent stager whose staging
-runs in the background; ``maybe_wait_for_staging()`` runs right before ``optimizer.step()`` because the
-step is what mutates the tensors being copied. At most one save is in flight.
+collectives interleave with FSDP's), with one persistent stager whose staging runs in the background;
+``maybe_wait_for_staging()`` runs right before ``optimizer.step()`` because the step is what mutates
+the tensors being copied. DCP's save itself runs in the rank's saver process (below; the THREAD
+executor where this torch has none, or with ``UNBROKEN_CKPT_SAVER=thread``). At most one save is in
+flight.
+
+Each save reports what it cost the loop: ``blocking_s`` (the loop waited: the save call, the staging
+wait, a wait for the previous save) and, for async saves, ``interference_s``: the extra time of the
+steps that overlapped it against the median of the steps just before it (step boundaries are the
+``poll`` calls, one per step).
 
 The staged host copy of the newest async save is also kept in memory (``MemorySnapshot``, one per
 process, so it outlives an in-process restart): ``load`` restores from it instead of the disk when
@@ -21,15 +28,18 @@ from __future__ import annotations
 import collections
 import contextlib
 import copy
+import io
 import logging
 import os
+import pickle
 import re
 import shutil
-import threading
 import statistics
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from multiprocessing.reduction import ForkingPickler
 from typing import Any, ContextManager
 
 import torch
@@ -179,10 +189,58 @@ def _follow_parent_at_low_priority(parent_pid: int) -> None:
             libc.syscall(nr, IOPRIO_WHO_PROCESS, 0, IOPRIO_CLASS_IDLE << 13)
 
 
+def _tensor_key(t: torch.Tensor) -> tuple | None:
+    """A staged tensor by its shared-memory segment (a name never reused) and view, or None."""
+    if type(t) not in (torch.Tensor, torch.nn.Parameter) or t.device.type != "cpu":
+        return None
+    st = t.untyped_storage()
+    if not st.is_shared():
+        return None
+    return (st._share_filename_cpu_()[1], t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+
+
+class _RequestPickler(ForkingPickler):
+    """A save request with every staged tensor the saver already holds sent as its key: the stager reuses
+    its buffers, so from the second save on only the small non-tensor values travel."""
+
+    def __init__(self, file: Any, known: set) -> None:
+        super().__init__(file, 4)
+        self.known, self.used = known, set()
+        self._emitting: set[int] = set()
+
+    def persistent_id(self, obj: Any) -> Any:
+        if not isinstance(obj, torch.Tensor) or id(obj) in self._emitting:
+            return None
+        key = _tensor_key(obj)
+        if key is None:
+            return None
+        self.used.add(key)
+        if key in self.known:
+            return ("known", key)
+        self._emitting.add(id(obj))
+        return ("new", key, obj)
+
+
+class _RequestUnpickler(pickle.Unpickler):
+    def __init__(self, file: Any, cache: dict) -> None:
+        super().__init__(file)
+        self.cache, self.used = cache, {}
+
+    def persistent_load(self, pid: Any) -> Any:
+        t = pid[2] if pid[0] == "new" else self.cache[pid[1]]
+        self.used[pid[1]] = t
+        return t
+
+
 if _AsyncCheckpointProcess is not None:
 
     class SaverProcess(_AsyncCheckpointProcess):  # type: ignore[misc,valid-type]
-        """DCP's checkpoint daemon, at low priority and tied to its rank."""
+        """DCP's checkpoint daemon, at low priority, tied to its rank, holding the staged tensors it was
+        sent (their shared memory stays mapped) so that a save sends only what changed."""
+
+        def __init__(self, pg_init_info: Any) -> None:
+            self._known: set = set()
+            super().__init__(pg_init_info)
 
         def _send(self, data: Any) -> None:
             # Storages by shared-memory name: the default (file descriptors) has the saver fetch every
@@ -190,17 +248,58 @@ if _AsyncCheckpointProcess is not None:
             # round trips that stall the training thread.
             import torch.multiprocessing as tmp
 
+            buf = io.BytesIO()
             before = tmp.get_sharing_strategy()
             tmp.set_sharing_strategy("file_system")
             try:
-                super()._send(data)
+                p = _RequestPickler(buf, self._known)
+                p.dump(data)
             finally:
                 tmp.set_sharing_strategy(before)
+            self._process_pipe.send_bytes(buf.getbuffer())
+            self._known = p.used  # what the saver holds once it has read this request
 
         @staticmethod
         def _checkpointing_subprocess(pg_init_info: Any, parent_conn: Any) -> None:
+            """torch's serving loop, reading requests with the saver's tensor cache."""
+            from torch.distributed.checkpoint._async_process_executor import _CheckpointSaveProcessControlOpts
+
             _follow_parent_at_low_priority(pg_init_info.parent_pid)
-            _AsyncCheckpointProcess._checkpointing_subprocess(pg_init_info, parent_conn)
+            try:
+                os.environ.update(TORCHELASTIC_USE_AGENT_STORE="False",
+                                  MASTER_ADDR=pg_init_info.tcp_store_master_addr,
+                                  MASTER_PORT=str(pg_init_info.tcp_store_master_port),
+                                  LOCAL_RANK=str(pg_init_info.local_rank), RANK=str(pg_init_info.global_rank),
+                                  WORLD_SIZE=str(pg_init_info.world_size))
+                dist.init_process_group(backend=dist.Backend.GLOO)
+                dist.barrier()
+                parent_conn.send(_CheckpointSaveProcessControlOpts.INIT_COMPLETE)
+            except BaseException as e:
+                parent_conn.send(e)
+                return
+            cache: dict = {}
+            try:
+                while True:
+                    try:
+                        data = parent_conn.recv_bytes()
+                    except EOFError:
+                        return
+                    u = _RequestUnpickler(io.BytesIO(data), cache)
+                    obj = u.load()
+                    cache = u.used
+                    if obj == _CheckpointSaveProcessControlOpts.TERMINATE:
+                        return
+                    try:
+                        parent_conn.send(_AsyncCheckpointProcess._execute_save(
+                            obj.staged_state_dict, checkpoint_request_id=obj.checkpoint_request_id,
+                            storage_writer=obj.storage_writer, planner=obj.planner, no_dist=obj.no_dist,
+                            use_collectives=obj.use_collectives))
+                    except BaseException as e:
+                        parent_conn.send(e)
+                    del obj, u
+            finally:
+                dist.destroy_process_group()
+                parent_conn.close()
 
 
 @contextlib.contextmanager
@@ -282,7 +381,7 @@ def _snapshot_stager(memory: MemorySnapshot | None, *, shared: bool = False) -> 
     # saver process (allocated once: the stager reuses its buffers). Staging runs in the background
     # and overlaps the next forward/backward.
     return SnapshotStager(StagingOptions(use_pinned_memory=False, use_shared_memory=shared,
-                                         use_async_staging=os.environ.get("EXP_SYNCSTAGE") != "1", use_non_blocking_copy=False))
+                                         use_async_staging=True, use_non_blocking_copy=False))
 
 
 @dataclass(slots=True)
@@ -399,8 +498,6 @@ class Checkpointer:
             self._had_saver = True
             from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
             kwargs["async_checkpointer_type"] = AsyncCheckpointerType.PROCESS
-        if os.environ.get("EXP_NOFSYNC") == "1":
-            kwargs["storage_writer"] = dcp.FileSystemWriter(path, sync_files=False)
         resp = dcp.async_save({"app": state}, checkpoint_id=path, process_group=self.pg, async_stager=stager,
                               **kwargs)
         blocking = time.perf_counter() - t0
