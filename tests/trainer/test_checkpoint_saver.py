@@ -41,7 +41,8 @@ if __name__ == "__main__":
     ck.save(state, 10)  # the second save sends the saver only what changed
     ck.wait()
     pid = ape._CHECKPOINT_PROCESS._save_process.pid
-    print("durable", latest_durable(sys.argv[1]), "saver", pid, os.getpriority(os.PRIO_PROCESS, pid),
+    print("durable", latest_durable(sys.argv[1]), "rank", os.getpid(), "saver", pid,
+          os.getpriority(os.PRIO_PROCESS, pid),
           os.sched_getscheduler(pid) == os.SCHED_IDLE, flush=True)
     os.kill(os.getpid(), signal.SIGKILL if sys.argv[2] == "kill" else signal.SIGTERM)
 """
@@ -69,9 +70,9 @@ def test_the_saver_runs_at_low_priority_never_reruns_the_script_and_dies_with_it
                         str(tmp_path / "ck"), how], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     line = next((ln for ln in p.stdout.splitlines() if ln.startswith("durable")), None)
     assert line, p.stdout + p.stderr
-    _, durable, _, pid, nice, idle = line.split()
+    _, durable, _, rank_pid, _, pid, nice, idle = line.split()
     assert durable == "10" and nice == "19" and idle == "True"
-    assert mark.read_text().split() == [str(p.pid)]  # the spawned saver did not run the script's top level
+    assert mark.read_text().split() == [rank_pid]  # the spawned saver did not run the script's top level
     assert _gone(int(pid), within_s=10), f"saver {pid} outlived its rank ({how})"
 
 
