@@ -7,9 +7,8 @@ rank 0 has placed the ``COMMITTED`` marker. Anything else is torn and never load
 Async saves run on their own gloo process group (sharing FSDP's group deadlocks: the DCP thread's
 collectives interleave with FSDP's), with one persistent stager whose staging runs in the background;
 ``maybe_wait_for_staging()`` runs right before ``optimizer.step()`` because the step is what mutates
-the tensors being copied. DCP's save itself runs in the rank's saver process (below; the THREAD
-executor where this torch has none, or with ``UNBROKEN_CKPT_SAVER=thread``). At most one save is in
-flight.
+the tensors being copied. DCP's save itself runs in its THREAD executor, or in the rank's saver
+process (below) with ``UNBROKEN_CKPT_SAVER=process``. At most one save is in flight.
 
 Each save reports what it cost the loop: ``blocking_s`` (the loop waited: the save call, the staging
 wait, a wait for the previous save) and, for async saves, ``interference_s``: the extra time of the
@@ -414,9 +413,15 @@ class Checkpointer:
                  atomic: Callable[[], ContextManager[Any]] = contextlib.nullcontext,
                  memory: MemorySnapshot | None = None, saver: bool | None = None):
         self.root, self.mode, self.keep, self.pg, self.memory = root, mode, keep, pg, memory
-        # Async saves in the saver process (default where this torch has it), else in a thread.
+        # Async saves in DCP's THREAD executor, or in the saver process (``UNBROKEN_CKPT_SAVER=process``
+        # where this torch has one). Not the default: on a CPU-only node with as many ranks as cores it
+        # costs the loop the same (make bench-checkpoint) and, at idle priority, it takes longer to
+        # make a save durable while the steps keep the cores busy (more steps lost to a crash).
         if saver is None:
-            saver = os.environ.get("UNBROKEN_CKPT_SAVER", "process") != "thread"
+            choice = os.environ.get("UNBROKEN_CKPT_SAVER", "thread")
+            if choice not in ("thread", "process"):
+                raise ValueError(f"UNBROKEN_CKPT_SAVER={choice!r}: expected thread or process")
+            saver = choice == "process"
         # (PR_SET_PDEATHSIG follows the thread that starts the saver: only the main thread does.)
         self.saver = (bool(saver) and saver_process_available()
                       and threading.current_thread() is threading.main_thread())

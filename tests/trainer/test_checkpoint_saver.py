@@ -34,7 +34,7 @@ if __name__ == "__main__":
     opt.step()
     state = _AppState(model=model, optim=opt, extra={}, rank=0)
     ck = Checkpointer(root=sys.argv[1], mode=CheckpointMode.ASYNC, keep=2, pg=dist.new_group(backend="gloo"),
-                      report=lambda *a: None)
+                      report=lambda *a: None, saver=True)
     assert ck.saver
     ck.save(state, 5)
     ck.wait()
