@@ -24,6 +24,7 @@ import functools
 import importlib
 import importlib.metadata
 import inspect
+import os
 import re
 from typing import Any
 
@@ -69,6 +70,15 @@ def parse_version(text: str) -> tuple[int, int, int] | None:
     if not m:
         return None
     return int(m.group(1)), int(m.group(2)), int(m.group(3) or 0)
+
+
+def child_pythonpath(own: list[str], inherited: str | None) -> str:
+    """PYTHONPATH for a trainer the control plane or a test starts: this tree's trainer and SDK first,
+    then whatever the parent had. The parent's entries may choose the NVRx release (``make
+    test-nvrx-next`` and ``make bench-recovery NVRX=`` put 0.6.0's site directory there): dropping them
+    would run the trainer with the venv's 0.4.1 while the parent believes it chose 0.6.0."""
+    parts = [*own, *(p for p in (inherited or "").split(os.pathsep) if p)]
+    return os.pathsep.join(dict.fromkeys(parts))
 
 
 def spec_problems(nvrx_version: str, *, max_no_progress_restarts: int = 0) -> dict[str, str]:
@@ -143,6 +153,24 @@ def wrapper_kwargs(**kw: Any) -> dict[str, Any]:
     return {k: v for k, v in kw.items() if k in accepted}
 
 
+def in_process_wrapper(*, cpu: bool, **kwargs: Any) -> Any:
+    """``inprocess.Wrapper(**kwargs)``; for a CPU job, without NVRx 0.6's GPU health checks. 0.6 chains
+    GPU, NVLink and NIC checks (NVML) after ours whenever LOCAL_RANK is set at construction; on a node
+    without NVML building them logs NVML tracebacks and running them raises, so every in-process
+    restart failed its health check and escalated to an in-job restart. LOCAL_RANK is the release's own
+    switch for the chain: hide it while the Wrapper is built (0.4.1 has no chain and never reads it)."""
+    from nvidia_resiliency_ext import inprocess
+
+    if not cpu:
+        return inprocess.Wrapper(**kwargs)
+    saved = os.environ.pop("LOCAL_RANK", None)
+    try:
+        return inprocess.Wrapper(**kwargs)
+    finally:
+        if saved is not None:
+            os.environ["LOCAL_RANK"] = saved
+
+
 @functools.cache
 def _launcher_options() -> frozenset[str]:
     from nvidia_resiliency_ext.fault_tolerance import launcher
@@ -204,6 +232,8 @@ def launcher_main_forked(entrypoint: Any, *, preload: list[str]) -> Any:
         # names it ``error_pid`` now. Without this, a SIGKILLed rank crashed the launcher.
         spawn.ProcessException.pid = property(lambda self: self.error_pid)
 
+    _spare_own_process_group(launcher)
+
     def main(argv: list[str]) -> None:
         i = argv.index("-m")
         launcher_argv, script_args = argv[:i], argv[i + 2:]
@@ -223,6 +253,30 @@ def launcher_main_forked(entrypoint: Any, *, preload: list[str]) -> Any:
         sys.exit(0)
 
     return main
+
+
+def _spare_own_process_group(launcher: Any) -> None:
+    """NVRx 0.6's ft_launcher, whenever it stops its workers (each in-job restart, and the end), sends
+    SIGTERM and then SIGKILL to every process group its workers are in, taking each worker for the
+    leader of its own group (as ``python -m`` workers started by torchrun are). Ranks forked from our
+    fork server share the launcher's group, so it killed itself (rc -9) after a clean run and at every
+    in-job restart. The workers are already ended when it does this (``pcontext.close``): leave our
+    own group out. (0.4.1 kills only orphans, ppid 1, of those groups; leaving ours out changes nothing
+    there.)"""
+    terminate = getattr(launcher, "terminate_mp_processes", None)
+    if terminate is None or getattr(terminate, "spares_own_group", False):
+        return
+
+    def terminate_mp_processes(*args: Any, **kwargs: Any) -> None:
+        # 0.6: (allowed_pgids); 0.4.1: (allowed_ppids, allowed_pgids), only orphans (ppid 1) of the groups.
+        if "allowed_pgids" in kwargs:
+            kwargs["allowed_pgids"] = {p for p in kwargs["allowed_pgids"] if p != os.getpgrp()}
+        elif args:
+            args = (*args[:-1], {p for p in args[-1] if p != os.getpgrp()})
+        terminate(*args, **kwargs)
+
+    terminate_mp_processes.spares_own_group = True  # type: ignore[attr-defined]
+    launcher.terminate_mp_processes = terminate_mp_processes
 
 
 def launcher_agent_class() -> Any:

@@ -324,7 +324,7 @@ def build_in_process_wrapper(session: Session) -> Any:
         termination_grace_time=td(2.0),
         monitor_process_logfile=os.path.join(log_dir, "inprocess_monitor_{rank}.log"),
     )
-    return inprocess.Wrapper(**kwargs)
+    return nvrx_compat.in_process_wrapper(cpu=session.device.type == "cpu", **kwargs)
 
 
 def wrap_loop(session: Session, loop: Callable[[Any], Any]) -> Callable[[], Any]:

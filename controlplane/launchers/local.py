@@ -101,7 +101,9 @@ class LocalLauncher:
             **os.environ,
             **spec.env,
             # This tree's trainer and SDK (``unbroken`` lives in trainer/), whatever the venv installed.
-            "PYTHONPATH": os.pathsep.join((str(settings.BASE_DIR), str(settings.BASE_DIR / "trainer"))),
+            "PYTHONPATH": nvrx_compat.child_pythonpath(
+                [str(settings.BASE_DIR), str(settings.BASE_DIR / "trainer")],
+                spec.env.get("PYTHONPATH") or os.environ.get("PYTHONPATH")),
             "PYTHONUNBUFFERED": "1",
             "OMP_NUM_THREADS": "1",
             "TORCH_CPP_LOG_LEVEL": "ERROR",

@@ -10,9 +10,11 @@ import pytest
 from controlplane.jobs import services
 from controlplane.jobs.models import Checkpoint, Command, Fault, Job, JobStatus, Rank, RestartCycle
 from controlplane.jobs.spec import Drill, JobSpec
+from controlplane.jobs.versions import runtime_versions
 from controlplane.launchers.local import launch_tag
 from controlplane.launchers.services import supervise_all
 from tests.helpers import wait_for
+from trainer import nvrx_compat
 from trainer.wire import CheckpointState, FaultClass, Layer
 
 pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
@@ -110,6 +112,8 @@ def test_a_drill_of_every_fault_class_recovers_by_its_layer_to_the_clean_runs_lo
     try:
         _run_to_success(job)
         assert _final_loss(job) == pytest.approx(clean_loss, rel=1e-5)
+        # The launched trainer ran this session's NVRx (make test runs this test with each release).
+        assert {v["nvrx"] for v in runtime_versions(job)} == {nvrx_compat.version_str()}
         faults = list(Fault.objects.filter(job=job, cycle__isnull=False).select_related("cycle").order_by("at"))
         got = [(f.fault_class, f.cycle.layer, f.rank) for f in faults]
         assert got == [(*expected[d.fault], d.rank) for d in drills], got

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from trainer import nvrx_compat
 from trainer.ports import free_port, free_port_block
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -93,7 +94,8 @@ class Receiver:
 def child_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("UNBROKEN_", "TORCHELASTIC_", "FT_"))}
     env.update(OMP_NUM_THREADS="1", TORCH_CPP_LOG_LEVEL="ERROR", PYTHONUNBUFFERED="1",
-               PYTHONPATH=os.pathsep.join((str(ROOT), str(ROOT / "trainer"))), **extra)
+               PYTHONPATH=nvrx_compat.child_pythonpath([str(ROOT), str(ROOT / "trainer")],
+                                                       os.environ.get("PYTHONPATH")), **extra)
     return env
 
 

@@ -78,3 +78,13 @@ def test_the_wrapper_takes_every_setting_we_need():
     kw = nvrx_compat.wrapper_kwargs(store_kwargs={}, initialize=None, abort=None, finalize=None, soft_timeout=1,
                                     hard_timeout=2, rank_filter=None, monitor_process_pidfile=None)
     assert {"store_kwargs", "initialize", "abort", "finalize", "soft_timeout", "hard_timeout"} <= set(kw)
+
+
+def test_the_trainers_we_start_run_this_release():
+    """The harness (and the local launcher) hand a trainer this tree first and then the parent's
+    PYTHONPATH: dropping the latter ran the 0.6.0 pass's trainers with the venv's 0.4.1."""
+    from tests.trainer.conftest import child_env
+
+    code = "import importlib.metadata as m; print(m.version('nvidia-resiliency-ext'))"
+    out = subprocess.run([sys.executable, "-c", code], env=child_env(), capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == nvrx_compat.version_str(), out.stderr[-2000:]
