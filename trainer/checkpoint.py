@@ -5,9 +5,15 @@ save future completes after it has gathered every rank's write result and writte
 rank 0 has placed the ``COMMITTED`` marker. Anything else is torn and never loaded.
 
 Async saves run on their own gloo process group (sharing FSDP's group deadlocks: the DCP thread's
-collectives interleave with FSDP's), with the THREAD executor and one persistent stager whose staging
-runs in the background; ``maybe_wait_for_staging()`` runs right before ``optimizer.step()`` because the
-step is what mutates the tensors being copied. At most one save is in flight.
+collectives interleave with FSDP's), with one persistent stager whose staging runs in the background;
+``maybe_wait_for_staging()`` runs right before ``optimizer.step()`` because the step is what mutates
+the tensors being copied. DCP's save itself runs in its THREAD executor, or in the rank's saver
+process (below) with ``UNBROKEN_CKPT_SAVER=process``. At most one save is in flight.
+
+Each save reports what it cost the loop: ``blocking_s`` (the loop waited: the save call, the staging
+wait, a wait for the previous save) and, for async saves, ``interference_s``: the extra time of the
+steps that overlapped it against the median of the steps just before it (step boundaries are the
+``poll`` calls, one per step).
 
 The staged host copy of the newest async save is also kept in memory (``MemorySnapshot``, one per
 process, so it outlives an in-process restart): ``load`` restores from it instead of the disk when
@@ -18,16 +24,21 @@ buffers) there is none, and the load falls back to the newest durable checkpoint
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import copy
+import io
 import logging
 import os
+import pickle
 import re
 import shutil
+import statistics
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from multiprocessing.reduction import ForkingPickler
 from typing import Any, ContextManager
 
 import torch
@@ -134,7 +145,217 @@ def _copy_into(dst: Any, src: Any) -> Any:
     return copy.deepcopy(src)
 
 
-def _snapshot_stager(memory: MemorySnapshot | None) -> Any:
+# -- the saver process -------------------------------------------------------------------------------
+#
+# DCP's THREAD executor plans, serializes and writes in a thread of the training process: it holds the
+# GIL for much of that and its CPU time lands on the step's cores, so an async save costs the loop
+# about what a sync one blocks (in slower steps). The saver process runs DCP's save instead (its
+# PROCESS executor, one daemon per rank with its own gloo group), started once per process from the
+# main thread and kept across in-process restarts, at the lowest CPU and I/O priority: it runs on
+# what the steps leave idle. The staged copy lives in shared memory, so a save sends the saver
+# handles, not bytes. It dies with its rank (PR_SET_PDEATHSIG); it never re-runs the user's script.
+
+PR_SET_PDEATHSIG = 1
+IOPRIO_CLASS_IDLE = 3
+IOPRIO_WHO_PROCESS = 1
+SAVER_NICE = 19
+
+try:
+    from torch.distributed.checkpoint._async_process_executor import (
+        _AsyncCheckpointProcess,
+        _ProcessGroupInitInfo,
+    )
+except ImportError:  # an older torch: the THREAD executor only
+    _AsyncCheckpointProcess = None  # type: ignore[assignment,misc]
+
+
+def _follow_parent_at_low_priority(parent_pid: int) -> None:
+    """In the saver process, before its gloo group's threads start (they inherit all of this)."""
+    import ctypes
+    import signal
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent_pid:  # the rank died before the line above
+        os._exit(0)
+    with contextlib.suppress(OSError):
+        os.setpriority(os.PRIO_PROCESS, 0, SAVER_NICE)
+    with contextlib.suppress(OSError, AttributeError):
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    with contextlib.suppress(Exception):  # ioprio_set (x86_64: 251, aarch64: 30)
+        nr = {"x86_64": 251, "aarch64": 30}.get(os.uname().machine)
+        if nr is not None:
+            libc.syscall(nr, IOPRIO_WHO_PROCESS, 0, IOPRIO_CLASS_IDLE << 13)
+
+
+def _tensor_key(t: torch.Tensor) -> tuple | None:
+    """A staged tensor by its shared-memory segment (a name never reused) and view, or None."""
+    if type(t) not in (torch.Tensor, torch.nn.Parameter) or t.device.type != "cpu":
+        return None
+    st = t.untyped_storage()
+    if not st.is_shared():
+        return None
+    return (st._share_filename_cpu_()[1], t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+
+
+class _RequestPickler(ForkingPickler):
+    """A save request with every staged tensor the saver already holds sent as its key: the stager reuses
+    its buffers, so from the second save on only the small non-tensor values travel."""
+
+    def __init__(self, file: Any, known: set) -> None:
+        super().__init__(file, 4)
+        self.known, self.used = known, set()
+        self._emitting: set[int] = set()
+
+    def persistent_id(self, obj: Any) -> Any:
+        if not isinstance(obj, torch.Tensor) or id(obj) in self._emitting:
+            return None
+        key = _tensor_key(obj)
+        if key is None:
+            return None
+        self.used.add(key)
+        if key in self.known:
+            return ("known", key)
+        self._emitting.add(id(obj))
+        return ("new", key, obj)
+
+
+class _RequestUnpickler(pickle.Unpickler):
+    def __init__(self, file: Any, cache: dict) -> None:
+        super().__init__(file)
+        self.cache, self.used = cache, {}
+
+    def persistent_load(self, pid: Any) -> Any:
+        t = pid[2] if pid[0] == "new" else self.cache[pid[1]]
+        self.used[pid[1]] = t
+        return t
+
+
+if _AsyncCheckpointProcess is not None:
+
+    class SaverProcess(_AsyncCheckpointProcess):  # type: ignore[misc,valid-type]
+        """DCP's checkpoint daemon, at low priority, tied to its rank, holding the staged tensors it was
+        sent (their shared memory stays mapped) so that a save sends only what changed."""
+
+        def __init__(self, pg_init_info: Any) -> None:
+            self._known: set = set()
+            super().__init__(pg_init_info)
+
+        def _send(self, data: Any) -> None:
+            # Storages by shared-memory name: the default (file descriptors) has the saver fetch every
+            # storage's descriptor from this process's resource-sharer thread, hundreds of GIL-bound
+            # round trips that stall the training thread.
+            import torch.multiprocessing as tmp
+
+            buf = io.BytesIO()
+            before = tmp.get_sharing_strategy()
+            tmp.set_sharing_strategy("file_system")
+            try:
+                p = _RequestPickler(buf, self._known)
+                p.dump(data)
+            finally:
+                tmp.set_sharing_strategy(before)
+            self._process_pipe.send_bytes(buf.getbuffer())
+            self._known = p.used  # what the saver holds once it has read this request
+
+        @staticmethod
+        def _checkpointing_subprocess(pg_init_info: Any, parent_conn: Any) -> None:
+            """torch's serving loop, reading requests with the saver's tensor cache."""
+            from torch.distributed.checkpoint._async_process_executor import _CheckpointSaveProcessControlOpts
+
+            _follow_parent_at_low_priority(pg_init_info.parent_pid)
+            try:
+                os.environ.update(TORCHELASTIC_USE_AGENT_STORE="False",
+                                  MASTER_ADDR=pg_init_info.tcp_store_master_addr,
+                                  MASTER_PORT=str(pg_init_info.tcp_store_master_port),
+                                  LOCAL_RANK=str(pg_init_info.local_rank), RANK=str(pg_init_info.global_rank),
+                                  WORLD_SIZE=str(pg_init_info.world_size))
+                dist.init_process_group(backend=dist.Backend.GLOO)
+                dist.barrier()
+                parent_conn.send(_CheckpointSaveProcessControlOpts.INIT_COMPLETE)
+            except BaseException as e:
+                parent_conn.send(e)
+                return
+            cache: dict = {}
+            try:
+                while True:
+                    try:
+                        data = parent_conn.recv_bytes()
+                    except EOFError:
+                        return
+                    u = _RequestUnpickler(io.BytesIO(data), cache)
+                    obj = u.load()
+                    cache = u.used
+                    if obj == _CheckpointSaveProcessControlOpts.TERMINATE:
+                        return
+                    try:
+                        parent_conn.send(_AsyncCheckpointProcess._execute_save(
+                            obj.staged_state_dict, checkpoint_request_id=obj.checkpoint_request_id,
+                            storage_writer=obj.storage_writer, planner=obj.planner, no_dist=obj.no_dist,
+                            use_collectives=obj.use_collectives))
+                    except BaseException as e:
+                        parent_conn.send(e)
+                    del obj, u
+            finally:
+                dist.destroy_process_group()
+                parent_conn.close()
+
+
+@contextlib.contextmanager
+def _without_main_module() -> Any:
+    """multiprocessing's spawn re-imports ``__main__`` in the child (the user's script, run by the shim
+    through runpy): hide it while the saver starts, so the child imports only what it unpickles."""
+    import sys
+    import types
+
+    main = sys.modules["__main__"]
+    sys.modules["__main__"] = types.ModuleType("__main__")
+    try:
+        yield
+    finally:
+        sys.modules["__main__"] = main
+
+
+def saver_process_available() -> bool:
+    return _AsyncCheckpointProcess is not None
+
+
+def _saver_alive() -> bool:
+    import torch.distributed.checkpoint._async_process_executor as ape
+
+    proc = ape._CHECKPOINT_PROCESS
+    return proc is not None and proc._save_process.is_alive()
+
+
+def _start_saver(pg: Any) -> None:
+    """Every rank at once (one broadcast on ``pg``): this process's saver, if it has none."""
+    import torch.distributed.checkpoint._async_process_executor as ape
+
+    info = _ProcessGroupInitInfo(pg)
+    info.parent_pid = os.getpid()  # type: ignore[attr-defined]
+    if threading.current_thread() is not threading.main_thread():
+        raise RuntimeError("the checkpoint saver must be started from the main thread (PR_SET_PDEATHSIG "
+                           "follows the thread that started it)")
+    with _without_main_module():
+        ape._CHECKPOINT_PROCESS = SaverProcess(info)
+
+
+def stop_saver(timeout_s: float = 5.0) -> None:
+    """End this process's saver (a save it may be stuck in dies with it)."""
+    import torch.distributed.checkpoint._async_process_executor as ape
+
+    proc, ape._CHECKPOINT_PROCESS = ape._CHECKPOINT_PROCESS, None
+    if proc is None:
+        return
+    p = proc._save_process
+    if p.is_alive():
+        p.kill()
+        p.join(timeout_s)
+    with contextlib.suppress(Exception):
+        proc._process_pipe.close()
+
+
+def _snapshot_stager(memory: MemorySnapshot | None, *, shared: bool = False) -> Any:
     from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
     class SnapshotStager(DefaultStager):
@@ -155,9 +376,10 @@ def _snapshot_stager(memory: MemorySnapshot | None) -> Any:
             fut.add_done_callback(done)
             return fut
 
-    # CPU: no pinned/shared memory, no non-blocking copies (they need an accelerator). Staging runs in
-    # the background and overlaps the next forward/backward.
-    return SnapshotStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False,
+    # CPU: no pinned memory, no non-blocking copies (they need an accelerator); shared memory for the
+    # saver process (allocated once: the stager reuses its buffers). Staging runs in the background
+    # and overlaps the next forward/backward.
+    return SnapshotStager(StagingOptions(use_pinned_memory=False, use_shared_memory=shared,
                                          use_async_staging=True, use_non_blocking_copy=False))
 
 
@@ -168,6 +390,20 @@ class _InFlight:
     started_at: float
     blocking_s: float
     staged: bool
+    baseline_s: float | None = None  # the median step time just before the save (None: not known)
+    overlap_s: float = 0.0  # the steps that overlapped the save: their total time and number
+    overlap_n: int = 0
+
+    def interference_s(self) -> float | None:
+        """The extra time of the steps that overlapped the save against the steps just before it,
+        without what the loop blocked on the save (counted in ``blocking_s``)."""
+        if self.baseline_s is None or not self.overlap_n:
+            return None
+        return max(0.0, self.overlap_s - self.overlap_n * self.baseline_s - self.blocking_s)
+
+
+#: Step times (between ``poll`` calls) with no save in flight kept as the baseline of the next save.
+BASELINE_STEPS = 5
 
 
 class Checkpointer:
@@ -175,13 +411,29 @@ class Checkpointer:
 
     def __init__(self, *, root: str, mode: CheckpointMode, keep: int, pg: Any, report: Callable[..., None],
                  atomic: Callable[[], ContextManager[Any]] = contextlib.nullcontext,
-                 memory: MemorySnapshot | None = None):
+                 memory: MemorySnapshot | None = None, saver: bool | None = None):
         self.root, self.mode, self.keep, self.pg, self.memory = root, mode, keep, pg, memory
+        # Async saves in DCP's THREAD executor, or in the saver process (``UNBROKEN_CKPT_SAVER=process``
+        # where this torch has one). Not the default: on a CPU-only node with as many ranks as cores it
+        # costs the loop the same (make bench-checkpoint) and, at idle priority, it takes longer to
+        # make a save durable while the steps keep the cores busy (more steps lost to a crash).
+        if saver is None:
+            choice = os.environ.get("UNBROKEN_CKPT_SAVER", "thread")
+            if choice not in ("thread", "process"):
+                raise ValueError(f"UNBROKEN_CKPT_SAVER={choice!r}: expected thread or process")
+            saver = choice == "process"
+        # (PR_SET_PDEATHSIG follows the thread that starts the saver: only the main thread does.)
+        self.saver = (bool(saver) and saver_process_available()
+                      and threading.current_thread() is threading.main_thread())
+        self._had_saver = False  # this rank's saver was running: if it is gone, it died
         self.restored_from: RestoredFrom | None = None  # where the last load came from
         self.rank = dist.get_rank(pg)
         self._report, self._atomic = report, atomic
         self._in_flight: _InFlight | None = None
         self._stager: Any = None
+        self._last_tick: float | None = None  # the previous poll (a step boundary)
+        self._clean: collections.deque[float] = collections.deque(maxlen=BASELINE_STEPS)
+        self._tainted = False  # the current step blocked on a sync save: not a baseline step
         os.makedirs(root, exist_ok=True)
 
     # -- load ---------------------------------------------------------------------------------------
@@ -205,7 +457,13 @@ class Checkpointer:
                     shutil.rmtree(path, ignore_errors=True)
         snap_step, snap = self.memory.get() if self.memory is not None else (None, None)
         views: list[Any] = [None] * dist.get_world_size(self.pg)
-        dist.all_gather_object(views, (snap_step, durable), group=self.pg)
+        saver_ok = self.saver and _saver_alive()
+        dist.all_gather_object(views, (snap_step, durable, saver_ok), group=self.pg)
+        if self.saver:  # every rank keeps its saver, or every rank starts a new one at the next save
+            if all(v[2] for v in views):
+                self._had_saver = True
+            else:
+                stop_saver()
         durable = views[0][1]
         steps = {v[0] for v in views}
         mem_step = steps.pop() if len(steps) == 1 else None
@@ -229,16 +487,28 @@ class Checkpointer:
         path = step_dir(self.root, step)
         t0 = time.perf_counter()
         if mode == CheckpointMode.SYNC:
+            self._tainted = True
             dcp.save({"app": state}, checkpoint_id=path, process_group=self.pg)
             blocking = time.perf_counter() - t0
             self._commit(step, mode, blocking_s=blocking, write_s=blocking)
             return
         stager = self._get_stager()
         stager.step = step
-        resp = dcp.async_save({"app": state}, checkpoint_id=path, process_group=self.pg, async_stager=stager)
+        kwargs: dict[str, Any] = {}
+        if self.saver:
+            if not _saver_alive():
+                if self._had_saver:
+                    raise RuntimeError("unbroken: this rank's checkpoint saver process died")
+                _start_saver(self.pg)
+            self._had_saver = True
+            from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+            kwargs["async_checkpointer_type"] = AsyncCheckpointerType.PROCESS
+        resp = dcp.async_save({"app": state}, checkpoint_id=path, process_group=self.pg, async_stager=stager,
+                              **kwargs)
         blocking = time.perf_counter() - t0
         self._in_flight = _InFlight(step=step, response=resp, started_at=t0, blocking_s=blocking,
-                                    staged=not hasattr(resp, "staging_completion"))
+                                    staged=not hasattr(resp, "staging_completion"),
+                                    baseline_s=statistics.median(self._clean) if self._clean else None)
         self._emit(step=step, mode=mode, state=CheckpointState.IN_FLIGHT, blocking_s=round(blocking, 6))
 
     def maybe_wait_for_staging(self) -> None:
@@ -252,26 +522,48 @@ class Checkpointer:
         f.staged = True
 
     def poll(self) -> None:
-        """Commit the in-flight save if it is done; never blocks."""
+        """Once per step (a step boundary): time the step, and commit the in-flight save if it is done;
+        never blocks."""
+        self._tick()
         f = self._in_flight
         if f is not None and _upload(f.response).done():
             self.wait()
 
+    def _tick(self) -> None:
+        """A step ended: its time counts against the in-flight save (interference), or as a baseline
+        step when nothing was in flight and it did not block on a sync save."""
+        now = time.perf_counter()
+        if self._last_tick is not None:
+            dt = now - self._last_tick
+            f = self._in_flight
+            if f is not None:
+                f.overlap_s += dt
+                f.overlap_n += 1
+            elif not self._tainted:
+                self._clean.append(dt)
+        self._last_tick, self._tainted = now, False
+
     def wait(self) -> None:
-        """Finish the in-flight save (if any) and commit it."""
+        """Finish the in-flight save (if any) and commit it. The time the loop waits here is blocking
+        time (the next save waits for the previous one)."""
         f = self._in_flight
         if f is None:
             return
         self.maybe_wait_for_staging()
         self._in_flight = None
+        t0 = time.perf_counter()
         try:
             _upload(f.response).result()
         except Exception as e:
             self._emit(step=f.step, mode=CheckpointMode.ASYNC, state=CheckpointState.FAILED,
                        detail=repr(e)[:500])
             raise
+        f.blocking_s += time.perf_counter() - t0
+        interference = f.interference_s()
+        self._tainted = True  # the step that waited here is not a baseline step
         self._commit(f.step, CheckpointMode.ASYNC, blocking_s=f.blocking_s,
-                     write_s=time.perf_counter() - f.started_at)
+                     write_s=time.perf_counter() - f.started_at,
+                     interference_s=None if interference is None else round(interference, 6))
 
     def abandon(self, timeout_s: float = 10.0) -> None:
         """After a fault (process groups aborted): let the in-flight save end, commit it only if it
@@ -283,6 +575,8 @@ class Checkpointer:
         try:
             _upload(f.response).result(timeout=timeout_s)
         except Exception as e:
+            if self.saver:  # it may be stuck in the save (a peer rank never sent its part): end it
+                stop_saver()
             self._emit(step=f.step, mode=CheckpointMode.ASYNC, state=CheckpointState.ABANDONED,
                        detail=f"restart: {e!r}"[:500])
             return
@@ -300,10 +594,11 @@ class Checkpointer:
 
     def _get_stager(self) -> Any:
         if self._stager is None:
-            self._stager = _snapshot_stager(self.memory)
+            self._stager = _snapshot_stager(self.memory, shared=self.saver)
         return self._stager
 
-    def _commit(self, step: int, mode: CheckpointMode, *, blocking_s: float, write_s: float) -> None:
+    def _commit(self, step: int, mode: CheckpointMode, *, blocking_s: float, write_s: float,
+                interference_s: float | None = None) -> None:
         if self.rank != 0:
             return
         path = step_dir(self.root, step)
@@ -315,7 +610,7 @@ class Checkpointer:
                 os.fsync(f.fileno())
         write_iteration_file(self.root, step)
         self._emit(step=step, mode=mode, state=CheckpointState.DURABLE, blocking_s=round(blocking_s, 6),
-                   write_s=round(write_s, 6), bytes=dir_bytes(path))
+                   write_s=round(write_s, 6), bytes=dir_bytes(path), interference_s=interference_s)
         self._gc()
 
     def _gc(self) -> None:

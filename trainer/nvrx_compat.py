@@ -270,10 +270,12 @@ def _spare_own_process_group(launcher: Any) -> None:
     def terminate_mp_processes(*args: Any, **kwargs: Any) -> None:
         # 0.6: (allowed_pgids); 0.4.1: (allowed_ppids, allowed_pgids), only orphans (ppid 1) of the groups.
         if "allowed_pgids" in kwargs:
-            kwargs["allowed_pgids"] = {p for p in kwargs["allowed_pgids"] if p != os.getpgrp()}
-        elif args:
-            args = (*args[:-1], {p for p in args[-1] if p != os.getpgrp()})
-        terminate(*args, **kwargs)
+            pgids = kwargs["allowed_pgids"] = {p for p in kwargs["allowed_pgids"] if p != os.getpgrp()}
+        else:
+            pgids = {p for p in args[-1] if p != os.getpgrp()}
+            args = (*args[:-1], pgids)
+        if pgids:  # 0.6 sleeps 1 s between its SIGTERM and SIGKILL rounds even for no group at all
+            terminate(*args, **kwargs)
 
     terminate_mp_processes.spares_own_group = True  # type: ignore[attr-defined]
     launcher.terminate_mp_processes = terminate_mp_processes

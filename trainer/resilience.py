@@ -333,7 +333,9 @@ def build_in_process_wrapper(session: Session) -> Any:
         hard_timeout=td(cfg.hard_timeout),
         barrier_timeout=td(barrier),
         completion_timeout=td(barrier),
-        last_call_wait=td(0.2),
+        # A pure sleep between the first interruption record and the abort (for concurrent faults of other
+        # ranks to land in the records): every in-process recovery pays it.
+        last_call_wait=td(0.05),
         termination_grace_time=td(2.0),
         monitor_process_logfile=os.path.join(log_dir, "inprocess_monitor_{rank}.log"),
     )

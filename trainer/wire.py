@@ -61,7 +61,7 @@ MAX_RANK = MAX_INT32  # and below the job's world size
 MAX_PID = MAX_INT32
 MAX_BYTES = MAX_INT64
 MAX_COMMAND_ID = MAX_INT64
-MAX_DURATION_S = 1e7  # step_time_s, blocking_s, write_s (~116 days)
+MAX_DURATION_S = 1e7  # step_time_s, blocking_s, write_s, interference_s (~116 days)
 MAX_TOKENS_PER_S = 1e15
 # An event's ``data``: nesting depth (the top-level object is depth 1) and encoded size.
 MAX_DATA_DEPTH = 4
@@ -161,7 +161,9 @@ class EventKind(StrEnum):
     - ``cycle``: cycle (key shared by every rank and the launcher), layer, mark (CycleMark),
       step (for restarted/checkpoint_loaded: the step resumed from), restored_from (checkpoint_loaded:
       RestoredFrom)
-    - ``checkpoint``: step, mode, state, blocking_s, write_s, bytes
+    - ``checkpoint``: step, mode, state, blocking_s, write_s, bytes, interference_s (durable async
+      saves: the extra time of the steps that overlapped the background save, against the steps
+      just before it, its blocked time not included)
     - ``command_ack``: command_id, ok (bool), detail
     - ``launcher``: message (free-form facts only the launcher sees: exit codes, signals)
     - ``integration``: level (0 unmodified script, 1 SDK calls, 2 SDK entrypoint), entrypoint, sdk,
@@ -498,7 +500,8 @@ EVENT_DATA: dict[str, dict[str, DataField]] = {
     EventKind.CHECKPOINT: {"step": DataField("integer", required=True, maximum=MAX_STEP),
                            "state": _choice(CheckpointState, True), "mode": _choice(CheckpointMode),
                            "attempt_key": DataField("string", max_len=64), "blocking_s": _DURATION,
-                           "write_s": _DURATION, "bytes": DataField("integer", maximum=MAX_BYTES)},
+                           "write_s": _DURATION, "bytes": DataField("integer", maximum=MAX_BYTES),
+                           "interference_s": _DURATION},
     EventKind.COMMAND_ACK: {"command_id": DataField("integer", required=True, maximum=MAX_COMMAND_ID),
                             "ok": DataField("boolean", required=True),
                             "detail": DataField("string", max_len=MAX_STRING_LEN)},

@@ -117,6 +117,7 @@ def checkpoint(c: m.Checkpoint) -> schema.Checkpoint:
     return schema.Checkpoint(
         id=c.pk, step=c.step, attempt_key=c.attempt_key, mode=c.mode, state=c.state, started_at=c.started_at,
         finished_at=c.finished_at, blocking_s=c.blocking_s, write_s=c.write_s, bytes=c.bytes,
+        interference_s=c.interference_s,
         elapsed_s=fig.elapsed_s, durable_s=fig.durable_s, mb_per_s=fig.mb_per_s,
     )
 

@@ -110,6 +110,7 @@ class NoQuery(Struct, forbid_unknown_fields=True):
 class GoodputParts(Struct, kw_only=True):
     productive: float
     checkpoint_blocking: float
+    checkpoint_interference: float
     recovery: float
     lost_work: float
     startup: float
@@ -322,6 +323,7 @@ class Checkpoint(Struct, kw_only=True):
     blocking_s: float | None
     write_s: float | None
     bytes: int | None
+    interference_s: float | None  # async: the extra time of the steps the background save slowed down
     elapsed_s: Seconds | None
     durable_s: Seconds | None
     mb_per_s: float | None

@@ -73,9 +73,11 @@ def downsample_points(rows: list[dict], *, key: str, keep, max_points: int = MAX
 
 
 def checkpoint_figure(rows: list[dict]) -> dict:
-    """Per save: blocked time and time to durable (log seconds), write throughput (MB/s, right axis).
+    """Per save: blocked time, interference (async: the extra time of the steps it slowed down) and
+    time to durable (log seconds), write throughput (MB/s, right axis).
 
-    ``rows``: started_at, step, mode, state, blocking_s, durable_s (or None), elapsed_s, mb_per_s.
+    ``rows``: started_at, step, mode, state, blocking_s, interference_s, durable_s (or None), elapsed_s,
+    mb_per_s.
     """
     total = len(rows)
     rows = downsample_points(rows, key="durable_s", keep=lambda r: r["state"] in ("failed", "abandoned"))
@@ -91,6 +93,7 @@ def checkpoint_figure(rows: list[dict]) -> dict:
                 r["blocking_s"],
                 r["durable_s"],
                 r["mb_per_s"] and round(r["mb_per_s"], 1),
+                r.get("interference_s"),
             ]
             for r in sel
         ]
@@ -98,7 +101,8 @@ def checkpoint_figure(rows: list[dict]) -> dict:
     def template(mode: str) -> str:
         return (
             f"<b>step %{{customdata[0]}}</b> · {mode} · %{{customdata[1]}}<br>started %{{x|%H:%M:%S}} UTC"
-            "<br>loop blocked %{customdata[2]:.3f} s · durable after %{customdata[3]:.2f} s"
+            "<br>loop blocked %{customdata[2]:.3f} s · slower steps %{customdata[5]:.3f} s"
+            "<br>durable after %{customdata[3]:.2f} s"
             "<br>write %{customdata[4]} MB/s<extra></extra>"
         )
 
@@ -118,6 +122,21 @@ def checkpoint_figure(rows: list[dict]) -> dict:
                 "hovertemplate": template(mode),
             }
         )
+        slow = [r for r in sel if r.get("interference_s") is not None]
+        if slow:
+            traces.append(
+                {
+                    "type": "scatter",
+                    "mode": "markers",
+                    "name": f"slower steps · {mode}",
+                    "x": [ms(r["started_at"]) for r in slow],
+                    # log axis: a save that slowed nothing is drawn at 1 ms
+                    "y": [max(r["interference_s"], 0.001) for r in slow],
+                    "marker": {"symbol": "triangle-up", "size": 7, "color": "#76b7b2"},
+                    "customdata": custom(slow),
+                    "hovertemplate": template(mode),
+                }
+            )
         dur = [r for r in sel if r["durable_s"] is not None]
         if dur:
             traces.append(

@@ -372,6 +372,7 @@ def _checkpoint_rows(job: Job) -> list[tuple]:
                 "mode",
                 "state",
                 "step",
+                "interference_s",
             )
         )
         job._dashboard_checkpoints = rows
@@ -380,7 +381,7 @@ def _checkpoint_rows(job: Job) -> list[tuple]:
 
 def checkpoint_part(job: Job) -> dict:
     rows = []
-    for started_at, finished_at, blocking_s, write_s, nbytes, mode, state, step in _checkpoint_rows(job):
+    for started_at, finished_at, blocking_s, write_s, nbytes, mode, state, step, interf in _checkpoint_rows(job):
         fig = figures.checkpoint_figures(
             started_at=started_at, finished_at=finished_at, state=state, write_s=write_s, nbytes=nbytes
         )
@@ -391,14 +392,18 @@ def checkpoint_part(job: Job) -> dict:
                 "mode": mode,
                 "state": state,
                 "blocking_s": blocking_s,
+                "interference_s": interf,
                 "elapsed_s": fig.elapsed_s,
                 "durable_s": fig.durable_s,
                 "mb_per_s": fig.mb_per_s,
             }
         )
     counts = figures.checkpoint_counts(r["state"] for r in rows)
+    advice = figures.checkpoint_mode_advice(
+        (r[5], r[6], r[2], r[3], r[8]) for r in _checkpoint_rows(job)
+    )
     return {"chart": charts.checkpoint_figure(rows), "counts": counts, "recent": list(reversed(rows[-8:])),
-            "total": len(rows)}
+            "total": len(rows), "advice": advice, "mode": (job.spec or {}).get("checkpoint_mode") or "async"}
 
 
 FAULT_FILTERS = ("fault_class", "layer", "rank")
@@ -458,6 +463,7 @@ def recovery_words(o) -> str:
 GOODPUT_LABELS = {
     "productive": "productive steps",
     "checkpoint_blocking": "checkpoint blocking",
+    "checkpoint_interference": "checkpoint interference (slower steps)",
     "recovery": "recovery",
     "lost_work": "lost work (recomputed steps)",
     "startup": "startup",
@@ -466,6 +472,7 @@ GOODPUT_LABELS = {
 GOODPUT_COLORS = {
     "productive": "#59a14f",
     "checkpoint_blocking": "#4e79a7",
+    "checkpoint_interference": "#76b7b2",
     "recovery": "#f28e2b",
     "lost_work": "#e15759",
     "startup": "#bab0ac",

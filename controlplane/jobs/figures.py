@@ -7,6 +7,7 @@ operator API serialises them for scripts; neither recomputes them.
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime
@@ -84,6 +85,47 @@ def checkpoint_figures(
         durable_s=elapsed if state == CheckpointState.DURABLE else None,
         mb_per_s=(nbytes / write_s / 1e6) if nbytes and write_s else None,
     )
+
+
+@dataclass(frozen=True, slots=True)
+class ModeAdvice:
+    """Async against sync for one job, from its durable saves (seconds per save, medians)."""
+
+    async_cost_s: float  # what an async save cost the loop: blocked + slower steps
+    async_blocking_s: float
+    async_interference_s: float
+    sync_s: float  # a sync save's cost: its blocked time
+    sync_measured: bool  # True: from the job's own sync saves; False: estimated from async write times
+    cheaper: str  # "sync" or "async"
+    saves: int  # async saves the figures come from
+
+
+def checkpoint_mode_advice(rows: Iterable[tuple[str, str, float | None, float | None, float | None]]
+                           ) -> ModeAdvice | None:
+    """Which mode costs this job's loop less per save, from ``(mode, state, blocking_s, write_s,
+    interference_s)`` rows. An async save costs its blocked time plus its interference; a sync save
+    its blocked time, taken from the job's own sync saves when it has any, else estimated as an async
+    save's write time (start to durable: the same bytes written while competing with the steps, so at
+    most what a sync save would block). None until an async save with its interference is durable."""
+    asyncs, syncs, writes = [], [], []
+    for mode, state, blocking_s, write_s, interference_s in rows:
+        if state != CheckpointState.DURABLE:
+            continue
+        if mode == "sync" and blocking_s is not None:
+            syncs.append(blocking_s)
+        elif mode == "async" and interference_s is not None:
+            asyncs.append((blocking_s or 0.0, interference_s))
+            if write_s is not None:
+                writes.append(write_s)
+    if not asyncs or not (syncs or writes):
+        return None
+    blocking = statistics.median(b for b, _ in asyncs)
+    interference = statistics.median(i for _, i in asyncs)
+    cost = statistics.median(b + i for b, i in asyncs)
+    sync_s = statistics.median(syncs or writes)
+    return ModeAdvice(async_cost_s=cost, async_blocking_s=blocking, async_interference_s=interference,
+                      sync_s=sync_s, sync_measured=bool(syncs), cheaper="sync" if cost > sync_s else "async",
+                      saves=len(asyncs))
 
 
 def checkpoint_counts(states: Iterable[str]) -> dict[str, int]:

@@ -8,6 +8,9 @@ in this order (an instant that two facts claim goes to the earlier part):
   the end of W);
 - **checkpoint blocking**: time the training loop waited on saves (``Checkpoint.blocking_s``; a sync
   save without that figure blocked for all of it);
+- **checkpoint interference**: the steps an async save slowed down while it ran in the background
+  (``Checkpoint.interference_s``, the trainer's measure against the step times just before it),
+  booked right after the save's blocked time;
 - **lost work**: recomputing the steps a rollback threw away: from a cycle's first step until training
   passes the step of the fault again (the first training sample at or past it, or the job's newest
   progress, whichever is earlier), or to the end of W while it has not;
@@ -37,7 +40,8 @@ from django.db.models import FloatField, Func, Max
 from controlplane.jobs.lost import cycle_steps_lost
 from trainer.wire import CheckpointMode, CheckpointState
 
-PARTS = ("productive", "checkpoint_blocking", "recovery", "lost_work", "startup", "idle")
+PARTS = ("productive", "checkpoint_blocking", "checkpoint_interference", "recovery", "lost_work", "startup",
+         "idle")
 
 
 Interval = tuple[float, float]
@@ -61,7 +65,8 @@ class GoodputFacts:
     first_step: float | None
     last_progress_at: float | None
     cycles: tuple[CycleFacts, ...] = ()
-    saves: tuple[tuple[float, float], ...] = ()  # (started at, seconds the loop was blocked)
+    # (started at, seconds the loop was blocked, seconds of slower steps while it ran in the background)
+    saves: tuple[tuple[float, float, float], ...] = ()
     # The earliest save still in flight (its blocked time is reported when it ends): time after it is
     # not yet known to be productive.
     save_in_flight_since: float | None = None
@@ -117,7 +122,9 @@ def goodput_from_facts(f: GoodputFacts) -> dict[str, float]:
     parts = (
         ("recovery", [clip(c.began, c.first_step_at if c.first_step_at is not None else end)
                       for c in f.cycles]),
-        ("checkpoint_blocking", [clip(t, t + max(0.0, b)) for t, b in f.saves]),
+        ("checkpoint_blocking", [clip(t, t + max(0.0, b)) for t, b, _ in f.saves]),
+        ("checkpoint_interference", [clip(t + max(0.0, b), t + max(0.0, b) + max(0.0, i))
+                                     for t, b, i in f.saves]),
         ("lost_work", [clip(c.first_step_at, c.reached_again_at if c.reached_again_at is not None else end)
                        for c in f.cycles if c.first_step_at is not None and (c.lost_steps or 0) > 0]),
         ("idle", [clip(min(f.last_progress_at if f.last_progress_at is not None else train_from,
@@ -170,8 +177,8 @@ def goodput_facts(job, now: datetime) -> GoodputFacts:
     saves = []
     in_flight = []
     newest_cycle = max((c.began for c in cycles), default=None)
-    for t, finished, blocking_s, mode, state in job.checkpoints.values_list(
-        Epoch("started_at"), Epoch("finished_at"), "blocking_s", "mode", "state"
+    for t, finished, blocking_s, interference_s, mode, state in job.checkpoints.values_list(
+        Epoch("started_at"), Epoch("finished_at"), "blocking_s", "interference_s", "mode", "state"
     ):
         if state == CheckpointState.IN_FLIGHT and (newest_cycle is None or t >= newest_cycle):
             in_flight.append(t)  # one begun before the newest fault was cut short by it
@@ -179,8 +186,8 @@ def goodput_facts(job, now: datetime) -> GoodputFacts:
             continue  # cut short by a fault: what it blocked before the fault counts as training
         if blocking_s is None and mode == CheckpointMode.SYNC and finished is not None:
             blocking_s = finished - t  # a sync save that did not report its blocked time: all of it
-        if blocking_s:
-            saves.append((t, blocking_s))
+        if blocking_s or interference_s:
+            saves.append((t, blocking_s or 0.0, interference_s or 0.0))
     return GoodputFacts(
         start=start,
         end=end,

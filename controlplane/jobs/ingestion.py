@@ -471,7 +471,7 @@ def _apply_checkpoint(job: Job, e: Any) -> None:
     qs.filter(started_at__gt=started).update(started_at=started)
     if state in _FINAL_CKPT:
         fields: dict[str, Any] = {"state": state, "finished_at": at}
-        for k in ("blocking_s", "write_s", "bytes"):
+        for k in ("blocking_s", "write_s", "bytes", "interference_s"):
             if d.get(k) is not None:
                 fields[k] = d[k]
         if d.get("mode"):

@@ -348,6 +348,8 @@ class Checkpoint(models.Model):
     blocking_s = models.FloatField(null=True, blank=True)
     write_s = models.FloatField(null=True, blank=True)
     bytes = models.BigIntegerField(null=True, blank=True)
+    # Async: the extra time of the steps that overlapped the background save (trainer-measured).
+    interference_s = models.FloatField(null=True, blank=True)
 
     class Meta:
         constraints = [models.UniqueConstraint(fields=["job", "step", "attempt_key"], name="uniq_ckpt")]

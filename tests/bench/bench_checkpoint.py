@@ -3,12 +3,17 @@
 One run, 2 ranks: sync saves and async saves (the trainer's Checkpointer: own gloo group, THREAD
 executor, persistent stager with background staging, wait before optimizer.step), then throughput in
 alternating 10-step windows with no save and with one async save (= a save every 10 steps; the save
-must complete inside its window). Medians over the repeats; efficiency is the median of the paired
-window ratios (no save / with save), which cancels most drift from other load on the machine.
+must complete inside its window). Medians over the repeats (pairs); efficiency is the median of the
+paired window ratios (no save / with save), which cancels most drift from other load on the machine.
 
-    python tests/bench/bench_checkpoint.py [--repeats 3]
+The whole cost of a save to the loop: ``async_total_s`` is the median of the paired window
+differences (with save - no save), i.e. what the async save blocked plus its interference (the extra
+time of the steps that overlapped the background save); ``sync_total_s`` is what a sync save blocks.
+Every figure is printed with its spread (min..max over the pairs).
 
-Last line: sync_block_s=<X> async_block_s=<Y> block_ratio=<Y/X> efficiency=<E>
+    python tests/bench/bench_checkpoint.py [--repeats 9]
+
+Last line: sync_block_s=<X> async_block_s=<Y> block_ratio=<Y/X> efficiency=<E> async_total_s=<T> sync_total_s=<S>
 """
 
 from __future__ import annotations
@@ -79,7 +84,8 @@ def worker(run_dir: str, repeats: int, window: int) -> None:
         sync_block.append(time.perf_counter() - t)
         train_step()
 
-    plain, with_save, async_block = [], [], []
+    # Pairs: a window with no save, then a window with one async save, alternating.
+    plain, with_save, async_block, async_interf = [], [], [], []
     for _ in range(repeats):
         dist.barrier()
         t = time.perf_counter()
@@ -97,29 +103,42 @@ def worker(run_dir: str, repeats: int, window: int) -> None:
         if rank == 0:
             durable = [e for e in events[n_events:] if e["state"] == "durable"]
             async_block.append(durable[-1]["blocking_s"])
+            async_interf.append(durable[-1].get("interference_s"))
     ck.close()
     if rank == 0:
+        def spread(xs: list[float], nd: int = 4) -> str:
+            return f"median {statistics.median(xs):.{nd}f} (min {min(xs):.{nd}f}, max {max(xs):.{nd}f}, n={len(xs)})"
+
         state_mb = sum(os.path.getsize(os.path.join(d, f)) for d in [os.path.join(run_dir, "checkpoints",
                        sorted(os.listdir(os.path.join(run_dir, "checkpoints")))[-1])]
                        for f in os.listdir(d)) / 1e6
+        ratios = [pl / ws for pl, ws in zip(plain, with_save)]
+        deltas = [ws - pl for pl, ws in zip(plain, with_save)]
         print(f"checkpoint size {state_mb:.0f} MB; step {statistics.median(plain) / window:.3f} s", flush=True)
         print(f"sync blocking   {[round(x, 3) for x in sync_block]}", flush=True)
         print(f"async blocking  {[round(x, 4) for x in async_block]}", flush=True)
         print(f"{window} steps, no save      {[round(x, 2) for x in plain]}", flush=True)
         print(f"{window} steps, 1 async save {[round(x, 2) for x in with_save]}", flush=True)
+        print(f"sync block s      {spread(sync_block)}", flush=True)
+        print(f"async block s     {spread(async_block)}", flush=True)
+        print(f"efficiency        {spread(ratios)}", flush=True)
+        print(f"async total s     {spread(deltas)}  (window with save - window without)", flush=True)
+        if all(x is not None for x in async_interf):
+            print(f"reported interf s {spread(async_interf)}  (the trainer's own per-save figure)", flush=True)
         s, a = statistics.median(sync_block), statistics.median(async_block)
         # Paired windows (adjacent in time) cancel most of the drift from other load on the machine.
-        eff = statistics.median(pl / ws for pl, ws in zip(plain, with_save))
+        eff = statistics.median(ratios)
+        total = statistics.median(deltas)
         print(f"load average {os.getloadavg()}", flush=True)
-        print(f"sync_block_s={s:.4f} async_block_s={a:.4f} block_ratio={a / s:.4f} efficiency={eff:.4f}",
-              flush=True)
+        print(f"sync_block_s={s:.4f} async_block_s={a:.4f} block_ratio={a / s:.4f} efficiency={eff:.4f} "
+              f"async_total_s={total:.4f} sync_total_s={s:.4f}", flush=True)
     dist.barrier()
     dist.destroy_process_group()
 
 
 def main() -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=9)
     p.add_argument("--window", type=int, default=10)
     p.add_argument("--worker", action="store_true")
     p.add_argument("--run-dir", default=None)

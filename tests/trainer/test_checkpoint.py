@@ -125,3 +125,46 @@ def test_it_restores_from_the_memory_snapshot_only_when_it_is_complete_and_newes
     assert ck2.load(_app(3)[0]) == 7 and ck2.restored_from == "disk"
     ck.close()
     ck2.close()
+
+
+def test_it_reports_the_steps_an_async_save_slowed_down_as_its_interference(tmp_path, one_rank_world):
+    """Interference: the overlapping steps' extra time against the steps just before the save, without
+    the blocked time; a sync save reports none (it only blocks)."""
+    import time
+
+    from trainer.checkpoint import BASELINE_STEPS, Checkpointer
+    from trainer.wire import CheckpointMode
+
+    events = []
+    state, _, _ = _app(0)
+    ck = Checkpointer(root=str(tmp_path), mode=CheckpointMode.ASYNC, keep=2, pg=one_rank_world,
+                      report=lambda kind, data: events.append(data))
+
+    def steps(n, seconds):
+        for _ in range(n):
+            time.sleep(seconds)
+            ck.poll()
+
+    def durable(step):
+        return next(e for e in events if e["step"] == step and e["state"] == "durable")
+
+    ck.poll()
+    steps(BASELINE_STEPS, 0.02)
+    ck.save(state, 10)
+    ck.maybe_wait_for_staging()
+    ck._in_flight.response.upload_completion.result()  # the save is done; the step still runs slow
+    steps(1, 0.32)  # 0.3 s more than the steps before it
+    assert ck._in_flight is None
+    slow = durable(10)
+    assert 0.25 <= slow["interference_s"] <= 0.6, slow  # 0.3 s, plus the test's own wait for the write
+
+    steps(BASELINE_STEPS, 0.02)
+    ck.save(state, 20)
+    ck.maybe_wait_for_staging()
+    ck._in_flight.response.upload_completion.result()
+    steps(1, 0.02)  # as fast as the steps before it
+    assert durable(20)["interference_s"] < slow["interference_s"] - 0.15
+
+    ck.save(state, 30, mode=CheckpointMode.SYNC)
+    assert "interference_s" not in durable(30)
+    ck.close()

@@ -35,7 +35,7 @@ def build(post, settle, *, user, finish: bool = True) -> Job:
     ip, ij = "a0-ij0-ip1", "a0-ij1"
     events = [
         _ckpt("k20a", 20, "in_flight", t0 + 25), _ckpt("k20b", 20, "durable", t0 + 27, blocking_s=0.05,
-                                                        write_s=1.5, bytes=30_000_000),
+                                                        write_s=1.5, bytes=30_000_000, interference_s=0.3),
         _ckpt("k40a", 40, "in_flight", t0 + 45), _ckpt("k40b", 40, "durable", t0 + 47, blocking_s=0.04,
                                                         write_s=1.0, bytes=30_000_000),
         _ckpt("k60a", 60, "in_flight", t0 + 65), _ckpt("k60b", 60, "abandoned", t0 + 65.5),

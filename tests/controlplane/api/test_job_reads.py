@@ -68,6 +68,7 @@ def test_it_shows_the_job_with_a_summary_and_links(api, job):
     assert sum(g["shares"].values()) == pytest.approx(1.0)
     assert sum(g["seconds"].values()) == pytest.approx(g["wall_s"])
     assert g["goodput"] == g["shares"]["productive"] > 0
+    assert g["seconds"]["checkpoint_interference"] == pytest.approx(0.3, abs=1e-3)  # the save at step 20
     assert j["links"]["faults"] == f"/api/v1/jobs/{job.pk}/faults"
     assert j["integration"] is None  # the built-in model
     assert api(j["links"]["goodput"]) == g
@@ -110,6 +111,7 @@ def test_it_lists_the_checkpoint_ledger(api, job):
                                                      (80, "durable")]
     first = ck[0]
     assert (first["blocking_s"], first["bytes"], first["write_s"]) == (0.05, 30_000_000, 1.5)
+    assert first["interference_s"] == 0.3 and ck[1]["interference_s"] is None  # the trainer's measure
     assert first["durable_s"] == pytest.approx(2.0, abs=1e-3)  # from the in_flight report
     assert first["mb_per_s"] == pytest.approx(20.0)
     assert ck[2]["durable_s"] is None and ck[2]["elapsed_s"] == pytest.approx(0.5, abs=1e-3)

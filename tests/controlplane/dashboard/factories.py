@@ -146,6 +146,7 @@ def make_checkpoint(
     state: str = "durable",
     mode: str = "async",
     nbytes: int = 50_000_000,
+    interference_s: float | None = None,
 ) -> Checkpoint:
     return Checkpoint.objects.create(
         job=job,
@@ -157,6 +158,7 @@ def make_checkpoint(
         finished_at=started_at + timedelta(seconds=durable_s) if durable_s is not None else None,
         write_s=(durable_s or 1.0) * 0.8,
         bytes=nbytes,
+        interference_s=interference_s,
     )
 
 

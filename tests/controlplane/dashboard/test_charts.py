@@ -127,3 +127,41 @@ def test_it_marks_failed_and_sync_saves_on_the_checkpoint_chart():
         "write throughput (MB/s)",
     } <= names
     assert fig["layout"]["yaxis"]["type"] == "log"
+
+
+@pytest.mark.django_db
+def test_it_draws_each_async_save_s_interference_and_says_which_mode_costs_the_job_less(client):
+    from django.urls import reverse
+
+    from .factories import PASSWORD, make_user
+
+    now = timezone.now()
+    job = make_job(now=now)
+    for i, step in enumerate((20, 40, 60)):  # async: blocked 0.01 s + 0.5 s of slower steps each
+        make_checkpoint(job, step, started_at=now - timedelta(seconds=100 - 10 * i), blocking_s=0.01,
+                        interference_s=0.5)
+    part = sections.checkpoint_part(job)
+    slow = next(t for t in part["chart"]["figure"]["data"] if t["name"] == "slower steps · async")
+    assert slow["y"] == [0.5, 0.5, 0.5]
+    advice = part["advice"]  # no sync save yet: the estimate is the async saves' write time (1.6 s)
+    assert (advice.cheaper, advice.sync_measured) == ("async", False)
+    assert advice.async_cost_s == pytest.approx(0.51) and advice.sync_s == pytest.approx(1.6)
+
+    make_checkpoint(job, 80, started_at=now - timedelta(seconds=50), mode="sync", blocking_s=0.3)
+    job = type(job).objects.get(pk=job.pk)  # a new request (the page caches the rows per job object)
+    advice = sections.checkpoint_part(job)["advice"]
+    assert (advice.cheaper, advice.sync_measured, advice.sync_s) == ("sync", True, 0.3)
+    make_user("viewer")
+    client.login(username="viewer", password=PASSWORD)
+    body = client.get(reverse("dashboard:job", args=[job.pk])).content.decode()
+    assert "Sync saves cost this job less" in body and '"checkpoint_mode": "sync"' in body
+    assert "<th class=\"num\">Slower steps</th>" in body
+
+
+@pytest.mark.django_db
+def test_it_gives_no_advice_before_an_async_save_reported_its_interference():
+    now = timezone.now()
+    job = make_job(now=now)
+    make_checkpoint(job, 20, started_at=now - timedelta(seconds=100))  # an older trainer: no figure
+    make_checkpoint(job, 40, started_at=now - timedelta(seconds=80), mode="sync", blocking_s=0.3)
+    assert sections.checkpoint_part(job)["advice"] is None

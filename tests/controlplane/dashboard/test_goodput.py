@@ -57,6 +57,22 @@ def test_it_counts_recovery_recomputation_and_blocking():
     assert g["productive_s"] == approx(210 - 10 - 5 - 5 - 12)
 
 
+def test_it_counts_the_steps_an_async_save_slowed_down_after_its_blocked_time():
+    now = timezone.now()
+    job = make_job(now=now, age_s=110, last_step=100, max_step=100, last_progress_at=now)
+    start = job.first_step_at  # now - 100 s
+    make_checkpoint(job, 20, started_at=start + timedelta(seconds=20), blocking_s=0.5, interference_s=1.5)
+    make_checkpoint(job, 40, started_at=start + timedelta(seconds=40), blocking_s=2.0, mode="sync")
+    # overlaps the next save's blocked time: that second goes to blocking (the earlier part)
+    make_checkpoint(job, 60, started_at=start + timedelta(seconds=60), blocking_s=0.0, interference_s=4.0)
+    make_checkpoint(job, 61, started_at=start + timedelta(seconds=63), blocking_s=1.0, interference_s=0.0)
+    g = compute_goodput(job, now)
+    assert_adds_up(g)
+    assert g["checkpoint_blocking_s"] == approx(0.5 + 2.0 + 1.0)
+    assert g["checkpoint_interference_s"] == approx(1.5 + 3.0)
+    assert g["productive_s"] == approx(100 - 3.5 - 4.5)
+
+
 def test_it_adds_up_when_the_facts_overlap_or_exceed_wall_time():
     now = timezone.now()
     job = make_job(now=now, age_s=60, last_step=500)
@@ -126,12 +142,12 @@ def _simulate(rng: random.Random) -> tuple[list[tuple], float]:
     t = rng.uniform(1, 8)
     ev.append((t, "first_step", t))
     step, durable, last_sample = 0, 0, -9.0
-    pending: list[list] = []  # [key, step, started, blocked, done_at]
+    pending: list[list] = []  # [key, step, started, blocked, done_at, interference]
     horizon = rng.uniform(40, 120)
     n = 0
     while t < horizon:
         for p in [p for p in pending if p[4] <= t]:
-            ev.append((p[4], "ckpt_done", p[0], p[4], p[3]))
+            ev.append((p[4], "ckpt_done", p[0], p[4], p[3], p[5]))
             durable = max(durable, p[1])
             pending.remove(p)
         r = rng.random()
@@ -151,8 +167,10 @@ def _simulate(rng: random.Random) -> tuple[list[tuple], float]:
             blocked = rng.uniform(0.0, 0.4)
             sync = rng.random() < 0.3
             done = t + blocked + (0.0 if sync else rng.uniform(0.2, 2.5))
+            # async: the steps it overlapped ran slower (reported when it ends), at most its write time
+            slower = 0.0 if sync else rng.choice([0.0, rng.uniform(0, done - t - blocked)])
             ev.append((t, "ckpt_start", f"s{n}", step, t, "sync" if sync else "async"))
-            pending.append([f"s{n}", step, t, blocked, done])
+            pending.append([f"s{n}", step, t, blocked, done, slower])
             t += blocked
         else:  # a heartbeat's worth of steps
             for _ in range(rng.randint(1, 4)):
@@ -164,7 +182,7 @@ def _simulate(rng: random.Random) -> tuple[list[tuple], float]:
                 last_sample = t
     end = t + rng.uniform(0, 2)
     for p in pending:
-        ev.append((min(p[4], end), "ckpt_done", p[0], min(p[4], end), p[3]))
+        ev.append((min(p[4], end), "ckpt_done", p[0], min(p[4], end), p[3], p[5]))
     return sorted(ev, key=lambda e: e[0]), end
 
 
@@ -190,7 +208,7 @@ def _apply(job, base, e) -> None:
         Checkpoint.objects.create(job=job, step=e[3], attempt_key=e[2], started_at=at(e[4]), mode=e[5])
     elif kind == "ckpt_done":
         Checkpoint.objects.filter(job=job, attempt_key=e[2]).update(state="durable", finished_at=at(e[3]),
-                                                                    blocking_s=e[4])
+                                                                    blocking_s=e[4], interference_s=e[5])
     elif kind == "ckpt_abandon":
         Checkpoint.objects.filter(job=job, attempt_key=e[2]).update(state="abandoned", finished_at=at(e[3]))
 

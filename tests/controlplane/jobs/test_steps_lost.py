@@ -29,8 +29,8 @@ def test_it_counts_steps_lost_from_the_fault_step_and_the_restored_step_not_its_
     # Goodput books the time spent recomputing those 20 steps (until the fault's step is passed again) as
     # lost work, and its parts still add up to wall time.
     assert g["lost_work_s"] > 0
-    assert sum(g[f"{k}_s"] for k in ("productive", "checkpoint_blocking", "recovery", "lost_work", "startup",
-                                     "idle")) == pytest.approx(g["wall_s"])
+    assert sum(g[f"{k}_s"] for k in ("productive", "checkpoint_blocking", "checkpoint_interference", "recovery",
+                                     "lost_work", "startup", "idle")) == pytest.approx(g["wall_s"])
 
 
 def test_it_falls_back_to_its_freshest_step_for_a_trainer_that_sends_none():
