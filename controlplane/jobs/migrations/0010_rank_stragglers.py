@@ -6,7 +6,7 @@ from django.db import migrations, models
 class Migration(migrations.Migration):
 
     dependencies = [
-        ('jobs', '0008_cycle_restored_from'),
+        ('jobs', '0009_checkpoint_interference'),
     ]
 
     operations = [
