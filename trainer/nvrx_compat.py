@@ -15,7 +15,10 @@ on those details goes through here:
 - ``check_supported(in_process=, in_job=)``: refuse a config the release cannot run, with
   the flag that turns the feature off.
 - ``launcher_main_forked(entrypoint)``: ft_launcher's ``main`` with the ranks started as a Python
-  callable from a warm fork server, where the release has the torchrun-style API for it (else None).
+  callable from a warm fork server, where the release has the torchrun-style API for it (else None);
+  it keeps 0.6's worker cleanup from killing the launcher's own process group, which the forked ranks share.
+- ``in_process_wrapper(cpu=, **kw)``: the Wrapper, without 0.6's NVML health-check chain on a CPU job.
+- ``child_pythonpath(own, inherited)``: a started trainer keeps the parent's choice of release.
 """
 
 from __future__ import annotations
@@ -158,7 +161,8 @@ def in_process_wrapper(*, cpu: bool, **kwargs: Any) -> Any:
     GPU, NVLink and NIC checks (NVML) after ours whenever LOCAL_RANK is set at construction; on a node
     without NVML building them logs NVML tracebacks and running them raises, so every in-process
     restart failed its health check and escalated to an in-job restart. LOCAL_RANK is the release's own
-    switch for the chain: hide it while the Wrapper is built (0.4.1 has no chain and never reads it)."""
+    switch for the chain: hide it while the Wrapper is built (0.4.1 has no chain; the variable is back
+    before anything that reads it at run time, such as the finalize step, runs)."""
     from nvidia_resiliency_ext import inprocess
 
     if not cpu:
