@@ -24,7 +24,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from trainer.wire import MAX_EVENTS, MAX_HEARTBEATS, WIRE_VERSION, EventKind
+from trainer.wire import MAX_EVENTS, MAX_HEARTBEATS, WIRE_VERSION, Event, EventKind, Heartbeat, as_dict
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +114,7 @@ class HttpReporter:
         self._id_prefix = f"{source.replace(':', '')}-{self._pid}-{uuid.uuid4().hex[:6]}"
         self._seq = 0
         self._seq_lock = threading.Lock()
-        self._q: collections.deque[tuple[str, dict[str, Any]]] = collections.deque()
+        self._q: collections.deque[tuple[str, Heartbeat | Event]] = collections.deque()
         self._spool = Spool(os.path.join(spool_dir, source.replace(":", "")))
         # Opt-in journal of every event this process hands to its sender (``make bench-chaos`` compares
         # it with what the control plane stored): one JSON line per event, written by the sender thread.
@@ -130,21 +130,19 @@ class HttpReporter:
 
     def heartbeat(self, *, step: int, phase: str, loss: float | None = None, step_time_s: float | None = None,
                   tokens_per_s: float | None = None, busy_s: float | None = None) -> None:
-        hb = {"rank": self.rank, "step": step, "phase": str(phase), "at": time.time(), "loss": _finite(loss),
-              "step_time_s": _finite(step_time_s), "tokens_per_s": _finite(tokens_per_s), "node": self._node,
-              "pid": self._pid}
-        if busy_s is not None:
-            hb["busy_s"] = _finite(busy_s)
-        self._q.append(("hb", hb))
+        self._q.append(("hb", Heartbeat(
+            rank=self.rank, step=step, phase=str(phase), at=time.time(), loss=_finite(loss),
+            step_time_s=_finite(step_time_s), tokens_per_s=_finite(tokens_per_s), node=self._node, pid=self._pid,
+            busy_s=_finite(busy_s))))
 
     def event(self, kind: EventKind | str, data: dict[str, Any] | None = None, *, rank: int | None = _UNSET,
               at: float | None = None) -> None:
         with self._seq_lock:
             self._seq += 1
             seq = self._seq
-        self._q.append(("ev", {"id": f"{self._id_prefix}-{seq}", "kind": str(kind),
-                               "at": time.time() if at is None else at,
-                               "rank": self.rank if rank is _UNSET else rank, "data": _jsonable(data or {})}))
+        self._q.append(("ev", Event(id=f"{self._id_prefix}-{seq}", kind=str(kind),
+                                    at=time.time() if at is None else at,
+                                    rank=self.rank if rank is _UNSET else rank, data=_jsonable(data or {}))))
 
     def flush(self) -> None:
         self._wake.set()
@@ -180,7 +178,7 @@ class HttpReporter:
         evs: list[dict[str, Any]] = []
         while self._q and len(hbs) < MAX_HEARTBEATS and len(evs) < MAX_EVENTS:
             kind, item = self._q.popleft()
-            (hbs if kind == "hb" else evs).append(item)
+            (hbs if kind == "hb" else evs).append(as_dict(item))
         if not hbs and not evs:
             return None
         if evs and self._journal:

@@ -30,7 +30,7 @@ import re
 
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields
 from enum import StrEnum
 from typing import Any
 
@@ -240,30 +240,221 @@ class WireError(ValueError):
         self.field = field
 
 
+_NUL = "\x00"
+NO_NUL_PATTERN = "^[^\\x00]*$"  # JSON Schema for "no NUL": Postgres text cannot hold one
+_NONE_T = type(None)
+_NUMBER_T = frozenset({int, float})
+_RANK_NOTE = "Must be below the job's world size."
+
+
+def words(choices) -> str:
+    """Allowed values for an error message, as plain strings: ``a, b, c``."""
+    return ", ".join(sorted(str(c) for c in choices))
+
+
+@dataclass(slots=True, frozen=True)
+class Window:
+    """Where a value may lie that depends on the request: a timestamp from ``earliest`` (server clock
+    minus the max age) to ``latest`` (the batch's ``sent_at`` plus MAX_FUTURE_S); a rank below
+    ``world_size`` (None: not known here)."""
+
+    earliest: float
+    latest: float
+    world_size: int | None = None
+
+    def check(self, v: Any, path: str) -> float:
+        at = _num(v, path)
+        assert at is not None
+        if at > self.latest:
+            raise WireError(f"is later than the batch's sent_at + {MAX_FUTURE_S:g} s; timestamps must come "
+                            "from the sender's clock", path)
+        if at < self.earliest:
+            raise WireError(f"is older than the server accepts (unix seconds >= {self.earliest:.0f}, "
+                            "the server clock minus UNBROKEN_INGEST_MAX_AGE_S); send unix seconds", path)
+        return at
+
+
+_ANY_TIME = Window(earliest=-math.inf, latest=math.inf)
+
+
+@dataclass(slots=True, frozen=True)
+class Rule:
+    """What one JSON value of the wire may be: the one definition of each field.
+
+    Everything that reads the wire derives from these: the parser (``check``), the ingest fast path
+    (``column_ok``: the same rule over a column of values, at C speed), the OpenAPI schema (``schema``)
+    and the words of the docs (``describe``). ``Heartbeat`` and ``Event`` carry one per field
+    (``wire_field``); ``EVENT_DATA`` one per checked key of an event's ``data``.
+
+    Types: ``integer``, ``number``, ``string``, ``word`` (one of ``choices``), ``boolean``, ``rank`` (an
+    integer below the job's world size), ``time`` (unix seconds inside the request's ``Window``).
+    A null is allowed where ``nullable`` (a non-finite number is then stored as null: a NaN loss is a fact
+    worth keeping); else it reads "is required".
+    """
+
+    type: str
+    nullable: bool = False
+    lo: float | None = 0
+    hi: float | None = None
+    max_len: int = MAX_STRING_LEN
+    min_len: int = 0
+    choices: frozenset[str] | None = None
+    description: str = ""
+
+    def check(self, v: Any, path: str, window: Window = _ANY_TIME) -> Any:
+        """The value as stored, or WireError naming ``path``."""
+        if v is None:
+            if self.nullable:
+                return None
+            raise WireError("is required", path)
+        t = self.type
+        if t == "integer" or t == "rank":
+            n = _int(v, path, lo=-MAX_INT64 - 1 if self.lo is None else int(self.lo),
+                     hi=MAX_INT64 if self.hi is None else int(self.hi))
+            if t == "rank" and window.world_size is not None and n >= window.world_size:
+                raise WireError(f"unknown rank {n}: this job has ranks 0..{window.world_size - 1}", path)
+            return n
+        if t == "number":
+            return _num(v, path, optional=self.nullable, lo=self.lo, hi=self.hi)
+        if t == "time":
+            return window.check(v, path)
+        if t == "word":
+            assert self.choices is not None
+            return _word(v, path, self.choices)
+        if t == "boolean":
+            if type(v) is not bool:
+                raise WireError("must be true or false", path)
+            return v
+        s = _str(v, path, self.max_len)
+        if len(s) < self.min_len:
+            raise WireError("must not be empty", path)
+        return s
+
+    def column_ok(self, col: list, window: Window) -> bool:
+        """True when ``check`` accepts every value of ``col`` unchanged (False: ask ``check`` which one)."""
+        types = frozenset(map(type, col))
+        if self.nullable and _NONE_T in types:
+            if len(types) == 1:
+                return True
+            col = [x for x in col if x is not None]
+            types = types - {_NONE_T}
+        t = self.type
+        if t == "integer" or t == "rank":
+            hi = MAX_INT64 if self.hi is None else self.hi
+            if t == "rank" and window.world_size is not None:
+                hi = min(hi, window.world_size - 1)
+            return types == {int} and (self.lo is None or min(col) >= self.lo) and max(col) <= hi
+        if t == "number" or t == "time":
+            # A non-finite value (stored as null, or refused) or an overflowing sum: ``check`` decides.
+            if not types <= _NUMBER_T or not math.isfinite(sum(col)):
+                return False
+            lo, hi = (window.earliest, window.latest) if t == "time" else (self.lo, self.hi)
+            return (lo is None or min(col) >= lo) and (hi is None or max(col) <= hi)
+        if t == "word":
+            return types == {str} and self.choices is not None and self.choices.issuperset(col)
+        if t == "string":
+            if types != {str}:
+                return False
+            lengths = list(map(len, col))
+            return max(lengths) <= self.max_len and min(lengths) >= self.min_len and _NUL not in "".join(col)
+        return types == {bool}
+
+    def schema(self) -> dict[str, Any]:
+        """This value in JSON Schema (a ``time``'s bounds depend on the server clock: set when served)."""
+        t = self.type
+        if t == "word":
+            assert self.choices is not None
+            s: dict[str, Any] = {"type": "string", "enum": sorted(self.choices)}
+        elif t == "string":
+            s = {"type": "string", "maxLength": self.max_len, "pattern": NO_NUL_PATTERN}
+            if self.min_len:
+                s["minLength"] = self.min_len
+        elif t in ("integer", "rank", "number"):
+            s = {"type": "number" if t == "number" else "integer"}
+            if self.lo is not None:
+                s["minimum"] = self.lo
+            if self.hi is not None:
+                s["maximum"] = self.hi
+        else:  # time, boolean
+            s = {"type": "number" if t == "time" else t}
+        if self.nullable:
+            s["type"] = [s["type"], "null"]
+            if "enum" in s:
+                s["enum"] = [*s["enum"], None]
+        description = " ".join(x for x in (self.description, _RANK_NOTE if t == "rank" else "") if x)
+        if description:
+            s["description"] = description
+        return s
+
+    def describe(self) -> str:
+        """Plain words: ``one of a, b``, ``integer, 0..100``, ``string, at most 64 characters``."""
+        if self.choices is not None:
+            return "one of " + words(self.choices)
+        if self.type == "string":
+            return f"string, at most {self.max_len} characters"
+        if self.type in ("integer", "rank", "number") and self.hi is not None:
+            hi = f"{self.hi:g}" if self.type == "number" else str(int(self.hi))
+            return f"{self.type}, {self.lo or 0:g}..{hi}"
+        return self.type
+
+
+def wire_field(rule: Rule, **kw: Any) -> Any:
+    """A dataclass field that carries its wire ``Rule``."""
+    return field(metadata={"wire": rule}, **kw)
+
+
+def _choice(e: type[StrEnum], *, nullable: bool = False) -> Rule:
+    return Rule("word", nullable=nullable, choices=frozenset(m.value for m in e))
+
+
+_DURATION = Rule("number", nullable=True, hi=MAX_DURATION_S)
+
+
 @dataclass(slots=True, frozen=True)
 class Heartbeat:
-    rank: int
-    step: int
-    phase: str
-    at: float
-    loss: float | None = None
-    step_time_s: float | None = None
-    tokens_per_s: float | None = None
-    node: str = ""
-    pid: int | None = None
+    rank: int = wire_field(Rule("rank", hi=MAX_RANK))
+    step: int = wire_field(Rule("integer", hi=MAX_STEP))
+    phase: str = wire_field(_choice(Phase))
+    at: float = wire_field(Rule("time"))
+    loss: float | None = wire_field(Rule("number", nullable=True, lo=None,
+                                         description="Non-finite values are stored as null."), default=None)
+    step_time_s: float | None = wire_field(_DURATION, default=None)
+    tokens_per_s: float | None = wire_field(Rule("number", nullable=True, hi=MAX_TOKENS_PER_S), default=None)
+    node: str = wire_field(Rule("string", max_len=MAX_NODE_LEN), default="")
+    pid: int | None = wire_field(Rule("integer", nullable=True, hi=MAX_PID), default=None)
     # The rank's own work per step (CPU seconds of its training thread, waits for peers left out), averaged
     # over the job's straggler window: what sets a straggler apart when lock-step collectives give every
     # rank the same ``step_time_s``.
-    busy_s: float | None = None
+    busy_s: float | None = wire_field(Rule("number", nullable=True, hi=MAX_DURATION_S, description=(
+        "The rank's own work per step (CPU seconds, waits for peers left out), averaged over the "
+        "straggler window.")), default=None)
 
 
 @dataclass(slots=True, frozen=True)
 class Event:
-    id: str
-    kind: str
-    at: float
-    rank: int | None = None
+    id: str = wire_field(Rule("string", max_len=MAX_EVENT_ID_LEN, min_len=1, description=(
+        "Unique per job; a repeated id is stored once (retries are harmless).")))
+    kind: str = wire_field(_choice(EventKind))
+    at: float = wire_field(Rule("time"))
+    rank: int | None = wire_field(Rule("rank", nullable=True, hi=MAX_RANK), default=None)
+    # Free-form JSON (``_check_json``) whose keys the control plane reads are checked per kind (EVENT_DATA).
     data: dict[str, Any] = field(default_factory=dict)
+
+
+def rules(cls: type) -> dict[str, Rule]:
+    """The wire fields of ``Heartbeat`` or ``Event``, in order, with their rules."""
+    return {f.name: f.metadata["wire"] for f in fields(cls) if "wire" in f.metadata}
+
+
+HEARTBEAT_RULES = rules(Heartbeat)
+EVENT_RULES = rules(Event)
+HEARTBEAT_DEFAULTS = {f.name: (None if f.default is MISSING else f.default) for f in fields(Heartbeat)}
+HEARTBEAT_REQUIRED = tuple(f.name for f in fields(Heartbeat) if f.default is MISSING)
+
+
+def as_dict(obj: Heartbeat | Event) -> dict[str, Any]:
+    """A heartbeat or event as its JSON object (what the reporter sends)."""
+    return {f: getattr(obj, f) for f in obj.__slots__}  # type: ignore[union-attr]
 
 
 @dataclass(slots=True, frozen=True)
@@ -272,16 +463,6 @@ class Batch:
     heartbeats: list[Heartbeat]
     events: list[Event]
     source: str = ""
-
-
-_PHASES = frozenset(p.value for p in Phase)
-_EVENT_KINDS = frozenset(k.value for k in EventKind)
-_NUL = "\x00"
-
-
-def words(choices) -> str:
-    """Allowed values for an error message, as plain strings: ``a, b, c``."""
-    return ", ".join(sorted(str(c) for c in choices))
 
 
 def _num(v: Any, path: str, *, optional: bool = False, lo: float | None = None, hi: float | None = None
@@ -328,26 +509,6 @@ def _word(v: Any, path: str, choices: frozenset) -> str:
     return v
 
 
-@dataclass(slots=True, frozen=True)
-class Window:
-    """Where a timestamp may lie: ``earliest`` (server clock minus the max age) to ``latest``
-    (the batch's ``sent_at`` plus MAX_FUTURE_S)."""
-
-    earliest: float
-    latest: float
-
-    def check(self, v: Any, path: str) -> float:
-        at = _num(v, path)
-        assert at is not None
-        if at > self.latest:
-            raise WireError(f"is later than the batch's sent_at + {MAX_FUTURE_S:g} s; timestamps must come "
-                            "from the sender's clock", path)
-        if at < self.earliest:
-            raise WireError(f"is older than the server accepts (unix seconds >= {self.earliest:.0f}, "
-                            "the server clock minus UNBROKEN_INGEST_MAX_AGE_S); send unix seconds", path)
-        return at
-
-
 def parse_batch(obj: Any, *, now: float, world_size: int | None = None,
                 max_age_s: float = DEFAULT_MAX_AGE_S) -> Batch:
     """Validate a decoded JSON batch; raise WireError naming the first bad field.
@@ -368,7 +529,7 @@ def parse_batch(obj: Any, *, now: float, world_size: int | None = None,
             " sync the trainer host's clock (NTP)",
             "sent_at",
         )
-    window = Window(earliest=now - max_age_s, latest=sent_at + MAX_FUTURE_S)
+    window = Window(earliest=now - max_age_s, latest=sent_at + MAX_FUTURE_S, world_size=world_size)
     hbs_in = obj.get("heartbeats", [])
     evs_in = obj.get("events", [])
     if type(hbs_in) is not list:
@@ -379,65 +540,50 @@ def parse_batch(obj: Any, *, now: float, world_size: int | None = None,
         raise WireError(f"at most {MAX_HEARTBEATS} per batch; split the batch", "heartbeats")
     if len(evs_in) > MAX_EVENTS:
         raise WireError(f"at most {MAX_EVENTS} per batch; split the batch", "events")
-    hbs = [parse_heartbeat(h, f"heartbeats[{i}]", window, world_size) for i, h in enumerate(hbs_in)]
-    evs = [_event(e, f"events[{i}]", window, world_size) for i, e in enumerate(evs_in)]
+    hbs = [parse_heartbeat(h, f"heartbeats[{i}]", window) for i, h in enumerate(hbs_in)]
+    evs = [_event(e, f"events[{i}]", window) for i, e in enumerate(evs_in)]
     source = obj.get("source", "")
     return Batch(sent_at=sent_at, heartbeats=hbs, events=evs, source=_str(source, "source", MAX_SOURCE_LEN))
 
 
-def _rank(v: Any, path: str, world_size: int | None) -> int:
-    r = _int(v, path, hi=MAX_RANK)
-    if world_size is not None and r >= world_size:
-        raise WireError(f"unknown rank {r}: this job has ranks 0..{world_size - 1}", path)
-    return r
-
-
-def parse_heartbeat(h: Any, path: str, window: Window, world_size: int | None) -> Heartbeat:
+def parse_heartbeat(h: Any, path: str, window: Window) -> Heartbeat:
     """One heartbeat object (also used by the control plane on states read back from its store)."""
     if type(h) is not dict:
         raise WireError("must be an object", path)
-    phase = _word(h.get("phase"), f"{path}.phase", _PHASES)
-    pid = h.get("pid")
-    return Heartbeat(
-        rank=_rank(h.get("rank"), f"{path}.rank", world_size),
-        step=_int(h.get("step"), f"{path}.step", hi=MAX_STEP),
-        phase=phase,
-        at=window.check(h.get("at"), f"{path}.at"),
-        loss=_num(h.get("loss"), f"{path}.loss", optional=True),
-        step_time_s=_num(h.get("step_time_s"), f"{path}.step_time_s", optional=True, lo=0, hi=MAX_DURATION_S),
-        tokens_per_s=_num(h.get("tokens_per_s"), f"{path}.tokens_per_s", optional=True, lo=0,
-                          hi=MAX_TOKENS_PER_S),
-        node=_str(h.get("node", ""), f"{path}.node", MAX_NODE_LEN),
-        pid=None if pid is None else _int(pid, f"{path}.pid", hi=MAX_PID),
-        busy_s=_num(h.get("busy_s"), f"{path}.busy_s", optional=True, lo=0, hi=MAX_DURATION_S),
-    )
+    get, d = h.get, HEARTBEAT_DEFAULTS
+    return Heartbeat(**{name: rule.check(get(name, d[name]), f"{path}.{name}", window)
+                        for name, rule in HEARTBEAT_RULES.items()})
 
 
-def _event(e: Any, path: str, window: Window, world_size: int | None) -> Event:
+def heartbeats_ok(hbs: list[dict], window: Window) -> bool:
+    """True when ``parse_heartbeat`` accepts every one of ``hbs`` as it is, with known keys only: the
+    same rules, checked column-wise (the ingest hot path: ~5x cheaper than building ``Heartbeat``s). False
+    says nothing about which one is wrong: ``parse_heartbeat`` names it."""
+    if frozenset(map(type, hbs)) != {dict} or not all(map(_HEARTBEAT_KEYS.issuperset, hbs)):
+        return False
+    d = HEARTBEAT_DEFAULTS
+    return all(rule.column_ok([h.get(name, d[name]) for h in hbs], window)
+               for name, rule in HEARTBEAT_RULES.items())
+
+
+_HEARTBEAT_KEYS = frozenset(HEARTBEAT_RULES)
+
+
+def _event(e: Any, path: str, window: Window) -> Event:
     if type(e) is not dict:
         raise WireError("must be an object", path)
-    eid = _str(e.get("id"), f"{path}.id", MAX_EVENT_ID_LEN)
-    if not eid:
-        raise WireError("must not be empty", f"{path}.id")
-    kind = _word(e.get("kind"), f"{path}.kind", _EVENT_KINDS)
-    rank = e.get("rank")
+    values = {name: rule.check(e.get(name), f"{path}.{name}", window) for name, rule in EVENT_RULES.items()}
     data = e.get("data", {})
     if type(data) is not dict:
         raise WireError("must be an object", f"{path}.data")
     if len(data) > MAX_DATA_KEYS:
         raise WireError(f"at most {MAX_DATA_KEYS} keys", f"{path}.data")
-    check_event_data(kind, data, path)  # first: the keys the control plane reads have the tighter bounds
+    check_event_data(values["kind"], data, path)  # first: the keys the control plane reads have the tighter bounds
     _check_json(data, f"{path}.data", 1)
     size = len(json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode("utf-8", "surrogatepass"))
     if size > MAX_DATA_BYTES:
         raise WireError(f"is {size} bytes encoded; at most {MAX_DATA_BYTES}", f"{path}.data")
-    return Event(
-        id=eid,
-        kind=kind,
-        at=window.check(e.get("at"), f"{path}.at"),
-        rank=None if rank is None else _rank(rank, f"{path}.rank", world_size),
-        data=data,
-    )
+    return Event(**values, data=data)
 
 
 def _check_json(v: Any, path: str, depth: int) -> None:
@@ -469,67 +615,33 @@ def _check_json(v: Any, path: str, depth: int) -> None:
 # --- each event kind's ``data`` -----------------------------------------------------------------------
 
 
-@dataclass(slots=True, frozen=True)
-class DataField:
-    """One checked key of an event's ``data``: its JSON type, bounds and vocabulary."""
-
-    type: str  # "string" | "integer" | "number" | "boolean"
-    required: bool = False
-    choices: frozenset[str] | None = None
-    max_len: int = 200
-    maximum: float | None = None
-    description: str = ""
+def _opt(type_: str, **kw: Any) -> Rule:
+    return Rule(type_, nullable=True, **kw)
 
 
-def _choice(e, required: bool = False) -> DataField:
-    return DataField("string", required=required, choices=frozenset(m.value for m in e))
-
-
-_STEP = DataField("integer", maximum=MAX_STEP)
-_DURATION = DataField("number", maximum=MAX_DURATION_S)
-# What the control plane reads from each kind's ``data`` (other keys are stored as they are).
-EVENT_DATA: dict[str, dict[str, DataField]] = {
-    EventKind.CYCLE: {"cycle": DataField("string", required=True, max_len=64), "mark": _choice(CycleMark, True),
-                      "layer": _choice(Layer), "step": _STEP, "restored_from": _choice(RestoredFrom),
-                      "command_id": DataField("integer", maximum=MAX_COMMAND_ID)},
-    EventKind.FAULT: {"fault": _choice(FaultClass, True), "cycle": DataField("string", max_len=64),
-                      "detected_by": DataField("string", max_len=40),
-                      "message": DataField("string", max_len=MAX_STRING_LEN),
-                      "node": DataField("string", max_len=MAX_NODE_LEN), "step": _STEP,
-                      "rank": DataField("integer", maximum=MAX_RANK)},
-    EventKind.CHECKPOINT: {"step": DataField("integer", required=True, maximum=MAX_STEP),
-                           "state": _choice(CheckpointState, True), "mode": _choice(CheckpointMode),
-                           "attempt_key": DataField("string", max_len=64), "blocking_s": _DURATION,
-                           "write_s": _DURATION, "bytes": DataField("integer", maximum=MAX_BYTES),
+_STEP = _opt("integer", hi=MAX_STEP)
+# What the control plane reads from each kind's ``data`` (other keys are stored as they are). A key
+# that is not nullable is required.
+EVENT_DATA: dict[str, dict[str, Rule]] = {
+    EventKind.CYCLE: {"cycle": Rule("string", max_len=64, min_len=1), "mark": _choice(CycleMark),
+                      "layer": _choice(Layer, nullable=True), "step": _STEP,
+                      "restored_from": _choice(RestoredFrom, nullable=True),
+                      "command_id": _opt("integer", hi=MAX_COMMAND_ID)},
+    EventKind.FAULT: {"fault": _choice(FaultClass), "cycle": _opt("string", max_len=64),
+                      "detected_by": _opt("string", max_len=40), "message": _opt("string"),
+                      "node": _opt("string", max_len=MAX_NODE_LEN), "step": _STEP,
+                      "rank": _opt("integer", hi=MAX_RANK)},
+    EventKind.CHECKPOINT: {"step": Rule("integer", hi=MAX_STEP), "state": _choice(CheckpointState),
+                           "mode": _choice(CheckpointMode, nullable=True),
+                           "attempt_key": _opt("string", max_len=64), "blocking_s": _DURATION,
+                           "write_s": _DURATION, "bytes": _opt("integer", hi=MAX_BYTES),
                            "interference_s": _DURATION},
-    EventKind.COMMAND_ACK: {"command_id": DataField("integer", required=True, maximum=MAX_COMMAND_ID),
-                            "ok": DataField("boolean", required=True),
-                            "detail": DataField("string", max_len=MAX_STRING_LEN)},
+    EventKind.COMMAND_ACK: {"command_id": Rule("integer", hi=MAX_COMMAND_ID), "ok": Rule("boolean"),
+                            "detail": _opt("string")},
 }
-_TYPE_WORDS = {"integer": "a non-negative integer", "number": "a non-negative number", "string": "a string",
-               "boolean": "true or false"}
 
 
 def check_event_data(kind: str, data: dict, path: str) -> None:
     """Check the keys of ``data`` that the control plane reads for this event kind (``EVENT_DATA``)."""
-    for key, f in EVENT_DATA.get(kind, {}).items():
-        p = f"{path}.data.{key}"
-        v = data.get(key)
-        if v is None:
-            if f.required:
-                raise WireError("is required", p)
-            continue
-        t = type(v)
-        ok = (t is str if f.type == "string" else t is int if f.type == "integer"
-              else t in (int, float) if f.type == "number" else t is bool)
-        if not ok or (f.type in ("integer", "number") and v < 0):
-            raise WireError(f"must be {_TYPE_WORDS[f.type]}", p)
-        if f.maximum is not None and v > f.maximum:
-            raise WireError(f"must be <= {f.maximum:g}" if f.type == "number" else f"must be <= {f.maximum}", p)
-        if f.choices is not None and v not in f.choices:
-            raise WireError(f"must be one of {words(f.choices)}", p)
-        if t is str:
-            if len(v) > f.max_len:
-                raise WireError(f"must be at most {f.max_len} characters", p)
-            if f.required and not v:
-                raise WireError("must not be empty", p)
+    for key, rule in EVENT_DATA.get(kind, {}).items():
+        rule.check(data.get(key), f"{path}.data.{key}")

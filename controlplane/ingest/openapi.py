@@ -10,6 +10,7 @@ server; the rest of the document is built once per process.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import time
 from functools import cache
 
@@ -18,40 +19,28 @@ from django.conf import settings
 from trainer import wire
 
 MARGIN_S = 60.0
-NO_NUL = "^[^\\x00]*$"  # Postgres text cannot hold NUL (\u0000)
-
-
-def _text(max_len: int, **extra) -> dict:
-    return {"type": "string", "maxLength": max_len, "pattern": NO_NUL, **extra}
-
-
-def _int(maximum: int, **extra) -> dict:
-    return {"type": "integer", "minimum": 0, "maximum": maximum, **extra}
 
 
 def _data_description() -> str:
     lines = []
-    for kind, fields in wire.EVENT_DATA.items():
-        parts = []
-        for key, f in fields.items():
-            bits = [f.type]
-            if f.choices:
-                bits = ["one of " + wire.words(f.choices)]
-            elif f.type == "string":
-                bits.append(f"at most {f.max_len} characters")
-            elif f.maximum is not None:
-                bits.append(f"0..{f.maximum:g}" if f.type == "number" else f"0..{f.maximum}")
-            parts.append(f"`{key}`{' (required)' if f.required else ''}: {', '.join(bits)}")
+    for kind, rules in wire.EVENT_DATA.items():
+        parts = [f"`{key}`{'' if rule.nullable else ' (required)'}: {rule.describe()}" for key, rule in rules.items()]
         lines.append(f"- `{kind}`: " + "; ".join(parts))
     return "\n".join(lines)
 
 
+def _object(cls: type, at: dict, **extra: dict) -> dict:
+    """``wire.Heartbeat`` or ``wire.Event`` as a JSON Schema object, from the rules of its fields."""
+    props = {}
+    for name, rule in wire.rules(cls).items():
+        props[name] = {**rule.schema(), **(at if rule.type == "time" else {})}
+    required = [f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING
+                and f.default_factory is dataclasses.MISSING]
+    return {"type": "object", "required": required, "properties": {**props, **extra}}
+
+
 def _enum(e) -> list[str]:
     return [m.value for m in e]
-
-
-def _num(nullable: bool = False) -> dict:
-    return {"type": ["number", "null"]} if nullable else {"type": "number"}
 
 
 def openapi_schema(*, now: float | None = None) -> dict:
@@ -92,42 +81,14 @@ def _static() -> dict:
         },
         "additionalProperties": False,
     }
-    heartbeat = {
-        "type": "object",
-        "required": ["rank", "step", "phase", "at"],
-        "properties": {
-            "rank": _int(wire.MAX_RANK, description="Must be below the job's world size."),
-            "step": _int(wire.MAX_STEP),
-            "phase": {"type": "string", "enum": _enum(wire.Phase)},
-            "at": at,
-            "loss": {**_num(True), "description": "Non-finite values are stored as null."},
-            "step_time_s": {**_num(True), "minimum": 0, "maximum": wire.MAX_DURATION_S},
-            "tokens_per_s": {**_num(True), "minimum": 0, "maximum": wire.MAX_TOKENS_PER_S},
-            "node": _text(wire.MAX_NODE_LEN),
-            "pid": {**_int(wire.MAX_PID), "type": ["integer", "null"]},
-            "busy_s": {**_num(True), "minimum": 0, "maximum": wire.MAX_DURATION_S,
-                       "description": "The rank's own work per step (CPU seconds, waits for peers left out), "
-                                      "averaged over the straggler window."},
-        },
-    }
-    event = {
-        "type": "object",
-        "required": ["id", "kind", "at"],
-        "properties": {
-            "id": _text(wire.MAX_EVENT_ID_LEN, minLength=1,
-                        description="Unique per job; a repeated id is stored once (retries are harmless)."),
-            "kind": {"type": "string", "enum": _enum(wire.EventKind)},
-            "at": at,
-            "rank": {**_int(wire.MAX_RANK), "type": ["integer", "null"]},
-            "data": {"type": "object", "maxProperties": wire.MAX_DATA_KEYS,
-                     "propertyNames": _text(wire.MAX_STRING_LEN),
-                     "description": wire.EventKind.__doc__.strip() + "\n\nAny JSON, nested at most "
-                     f"{wire.MAX_DATA_DEPTH} levels (this object is level 1), at most {wire.MAX_DATA_BYTES} bytes "
-                     f"encoded, strings of at most {wire.MAX_STRING_LEN} characters without NUL (\\u0000), "
-                     "integers within 64 bits. Checked per kind (422 naming the key otherwise):\n"
-                     + _data_description()},
-        },
-    }
+    heartbeat = _object(wire.Heartbeat, at)
+    event = _object(wire.Event, at, data={
+        "type": "object", "maxProperties": wire.MAX_DATA_KEYS,
+        "propertyNames": {"type": "string", "maxLength": wire.MAX_STRING_LEN, "pattern": wire.NO_NUL_PATTERN},
+        "description": wire.EventKind.__doc__.strip() + "\n\nAny JSON, nested at most "
+        f"{wire.MAX_DATA_DEPTH} levels (this object is level 1), at most {wire.MAX_DATA_BYTES} bytes "
+        f"encoded, strings of at most {wire.MAX_STRING_LEN} characters without NUL (\\u0000), "
+        "integers within 64 bits. Checked per kind (422 naming the key otherwise):\n" + _data_description()})
     batch = {
         "type": "object",
         "required": ["sent_at"],
@@ -136,7 +97,7 @@ def _static() -> dict:
             "sent_at": {"type": "number", "description": (
                 f"Unix seconds; refused (422) when it differs from the server clock by more than "
                 f"{wire.MAX_CLOCK_SKEW_S:.0f} s. minimum/maximum are as of this document's info.x-server-time, tightened by a minute.")},
-            "source": _text(wire.MAX_SOURCE_LEN),
+            "source": wire.Rule("string", max_len=wire.MAX_SOURCE_LEN).schema(),
             "heartbeats": {"type": "array", "maxItems": wire.MAX_HEARTBEATS, "items": {"$ref": "#/components/schemas/Heartbeat"}},
             "events": {"type": "array", "maxItems": wire.MAX_EVENTS, "items": {"$ref": "#/components/schemas/Event"}},
         },

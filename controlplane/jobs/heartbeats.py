@@ -48,9 +48,6 @@ from django.conf import settings
 from django.db import transaction
 
 from controlplane.jobs.rank_rows import (  # noqa: F401 - the stores' shared types, re-exported
-    _SLOW_OR_STOPPED,
-    _SLOW_PHASES,
-    _STOPPED,
     _TRAIN,
     _UPSERT_TAIL,
     RankState,
@@ -223,19 +220,19 @@ def _keep_newest(into: dict[int, RankState], st: RankState) -> None:
 
 # States read back from Redis: storable values only (the ingest window does not apply: a rank's
 # state may rightly be older than it; a state from beyond tomorrow was never a real clock reading).
-def _stored_window() -> wire.Window:
-    return wire.Window(earliest=0.0, latest=time.time() + 86400.0)
+def _stored_window(world_size: int | None = None) -> wire.Window:
+    return wire.Window(earliest=0.0, latest=time.time() + 86400.0, world_size=world_size)
 
 
-def _state(raw: bytes, world_size: int | None = None, window: wire.Window | None = None) -> RankState:
+def _state(raw: bytes, window: wire.Window | None = None) -> RankState:
     """A stored state, checked against the wire bounds; raises ``ValueError`` (a ``WireError`` naming
     the field, or a JSON error) when it cannot be written to a ``Rank`` row."""
     try:
         d = orjson.loads(raw[raw.find(b"|") + 1:])
-        h = wire.parse_heartbeat(d, "state", window or _stored_window(), world_size)
+        h = wire.parse_heartbeat(d, "state", window or _stored_window())
     except TypeError as e:  # an unhashable value where a vocabulary word belongs
         raise ValueError(f"state: {e}") from e
-    return RankState(h.rank, h.at, h.step, h.at, h.phase, h.loss, h.step_time_s, h.tokens_per_s, h.node, h.pid, h.busy_s)
+    return RankState.of(beat_dict(h))
 
 
 def _state_unchecked(raw: bytes) -> RankState:
@@ -243,9 +240,9 @@ def _state_unchecked(raw: bytes) -> RankState:
     return RankState.of(orjson.loads(raw[raw.find(b"|") + 1:]))
 
 
-def _why_unstorable(raw: bytes, world_size: int | None, window: wire.Window) -> str:
+def _why_unstorable(raw: bytes, window: wire.Window) -> str:
     try:
-        _state(raw, world_size, window)
+        _state(raw, window)
     except ValueError as e:
         return str(e)
     return "state: not a heartbeat state"
@@ -325,17 +322,12 @@ class RedisHeartbeatStore:
         """One Lua call: the script keeps only beats newer than the stored ones (atomically)."""
         if not beats:
             return
-        step_s, ckpt_s = timeouts.step_s, timeouts.checkpoint_s
         # Column-wise (comprehensions and orjson run at C speed; this is the ingest hot path).
         ranks = [b["rank"] for b in beats]
         ats = [b["at"] for b in beats]
         phases = [b["phase"] for b in beats]
         steps = [b["step"] for b in beats]
-        if _SLOW_OR_STOPPED.isdisjoint(phases):
-            deadlines: list = [a + step_s for a in ats]
-        else:
-            deadlines = [None if p == _STOPPED else a + (ckpt_s if p in _SLOW_PHASES else step_s)
-                         for p, a in zip(phases, ats, strict=True)]
+        deadlines = timeouts.deadlines(phases, ats)
         top_step = max(steps)
         top_at = min(a for a, st in zip(ats, steps, strict=True) if st == top_step)
         train = [a for a, p in zip(ats, phases, strict=True) if p == _TRAIN]
@@ -401,7 +393,7 @@ class RedisHeartbeatStore:
     def _flush_job(self, job_id: int, timeouts: Timeouts, now: datetime, token: str, *,
                    world_size: int | None = None) -> int:
         key = self.keys(job_id)[0]
-        window = _stored_window()
+        window = _stored_window(world_size)
         newest: dict[int, RankState] = {}  # every rank's newest state seen (for the job's progress)
         cursor, n = 0, 0
         while True:
@@ -415,7 +407,7 @@ class RedisHeartbeatStore:
                     # fails (it cost the ingest p99 ~2x at 50k beats/s when it ran on every state).
                     st = _state_unchecked(raw)
                 except (ValueError, KeyError, TypeError):
-                    self.quarantine(job_id, field, raw, _why_unstorable(raw, world_size, window), now=now)
+                    self.quarantine(job_id, field, raw, _why_unstorable(raw, window), now=now)
                     continue
                 _keep_newest(states, st)
                 if states[st.rank] is st:
@@ -428,7 +420,7 @@ class RedisHeartbeatStore:
                 for st in list(states.values()):
                     field, raw = raws[st.rank]
                     try:
-                        st = _state(raw, world_size, window)
+                        st = _state(raw, window)
                         with transaction.atomic():
                             n += upsert_ranks(job_id, [st], timeouts, now=now)
                     except ValueError as e1:  # the wire bounds name the field

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Iterable
+from typing import Any, Iterable
 
 from django.db import connection
 
@@ -53,36 +53,37 @@ class Timeouts:
             return None
         return at + (self.checkpoint_s if phase in _SLOW_PHASES else self.step_s)
 
+    def deadlines(self, phases: list[str], ats: list[float]) -> list[float | None]:
+        """``deadline`` over columns (the ingest hot path): in one pass when every beat is in a plain phase."""
+        if _SLOW_OR_STOPPED.isdisjoint(phases):
+            return [a + self.step_s for a in ats]
+        return list(map(self.deadline, phases, ats))
 
-@dataclass(slots=True)
-class RankState:
-    """A rank's newest heartbeat plus since when its step held (unix seconds)."""
 
-    rank: int
-    at: float
-    step: int
-    step_since: float  # earliest ``at`` of the current run of beats with this step (as far as known)
-    phase: str
-    loss: float | None = None
-    step_time_s: float | None = None
-    tokens_per_s: float | None = None
-    node: str = ""
-    pid: int | None = None
-    busy_s: float | None = None
+def _rank_state_fields() -> list:
+    return [(f.name, f.type, dataclasses.field(default=f.default)) if f.default is not dataclasses.MISSING
+            else (f.name, f.type) for f in dataclasses.fields(Heartbeat)]
 
-    @classmethod
-    def of(cls, b: dict, step_since: float | None = None) -> RankState:
-        """From a beat dict (the wire heartbeat's fields; optional ones may be missing)."""
-        at = float(b["at"])
-        return cls(b["rank"], at, b["step"], at if step_since is None else step_since, b["phase"], b.get("loss"),
-                   b.get("step_time_s"), b.get("tokens_per_s"), b.get("node") or "", b.get("pid"),
-                   b.get("busy_s"))
+
+# A rank's newest heartbeat plus since when its step held: the wire heartbeat's fields (one definition,
+# ``trainer.wire.Heartbeat``), mutable, and ``step_since``, the earliest ``at`` of the current run of beats
+# with this step (as far as known; unix seconds).
+RankState = dataclasses.make_dataclass(
+    "RankState", [*_rank_state_fields(), ("step_since", float, dataclasses.field(default=0.0))],
+    slots=True, namespace={"of": classmethod(lambda cls, b, step_since=None: _rank_state(cls, b, step_since))})
+RankState.__module__ = __name__
+
+
+def _rank_state(cls: type, b: dict, step_since: float | None) -> Any:
+    """``RankState.of``: from a beat dict (the wire heartbeat's fields; optional ones may be missing)."""
+    st = cls(**b)
+    st.at = at = float(st.at)
+    st.step_since = at if step_since is None else step_since
+    return st
 
 
 def beat_dict(hb: Heartbeat) -> dict:
-    return {"rank": hb.rank, "step": hb.step, "phase": hb.phase, "at": hb.at, "loss": hb.loss,
-            "step_time_s": hb.step_time_s, "tokens_per_s": hb.tokens_per_s, "node": hb.node, "pid": hb.pid,
-            "busy_s": hb.busy_s}
+    return wire.as_dict(hb)
 
 
 def newest_per_rank(beats: Iterable[dict]) -> dict[int, RankState]:

@@ -56,5 +56,5 @@ def test_an_older_beat_changes_nothing():
     row = Rank(job=job, rank=0, last_heartbeat_at=timezone.now(), last_step=9)
     from controlplane.jobs.heartbeats import RankState
 
-    old = RankState(0, (timezone.now() - timedelta(seconds=5)).timestamp(), 3, 0.0, "train")
+    old = RankState(rank=0, at=(timezone.now() - timedelta(seconds=5)).timestamp(), step=3, phase="train")
     assert health.current(row, old, Timeouts.of(job.spec), timezone.now()) is row

@@ -10,7 +10,7 @@ from django.utils import timezone
 from controlplane.jobs import ingestion
 from controlplane.jobs.models import Checkpoint, Fault, Job, Notification, Rank, RestartCycle
 from tests.controlplane.conftest import batch, ev, hb, make_job
-from trainer.wire import WireError, parse_batch
+from trainer.wire import HEARTBEAT_RULES, WireError, parse_batch
 
 pytestmark = pytest.mark.django_db
 
@@ -155,7 +155,7 @@ def _mutations(base):
               2**31 - 1, 2**31, 2**63, -1e12, 0.0, base["sent_at"] - 8 * 86400, base["sent_at"] - 86400,
               "n\x00", "x" * 254, 1e7, 1e7 + 1, 1e15 + 1, -0.5]
     rnd = random.Random(7)
-    keys = ["rank", "step", "phase", "at", "loss", "step_time_s", "tokens_per_s", "node", "pid", "extra"]
+    keys = [*HEARTBEAT_RULES, "extra"]
     for _ in range(3000):
         obj = copy.deepcopy(base)
         what = rnd.random()
