@@ -171,6 +171,10 @@ INGEST_MAX_BODY_BYTES = int(env_float("UNBROKEN_INGEST_MAX_BODY_BYTES", 4 * 1024
 # Heartbeat and event timestamps older than this (against the server clock) are refused with 422.
 # Generous on purpose: a reporter replays its disk spool after an outage, and drops a refused batch.
 INGEST_MAX_AGE_S = env_float("UNBROKEN_INGEST_MAX_AGE_S", 7 * 24 * 3600.0)
+# Batches one web process queues for its ingest thread before it sheds new ones (429 + Retry-After; 0: never).
+INGEST_MAX_PENDING = int(env_float("UNBROKEN_INGEST_MAX_PENDING", 64))
+if INGEST_MAX_PENDING < 0:
+    raise ImproperlyConfigured(f"UNBROKEN_INGEST_MAX_PENDING={INGEST_MAX_PENDING}: must be 0 (never shed) or more")
 
 # Notifications
 EMAIL_BACKEND = os.environ.get("UNBROKEN_EMAIL_BACKEND", "django.core.mail.backends.console.EmailBackend")

@@ -15,6 +15,7 @@ import json
 import logging
 import math
 import os
+import random
 import socket
 import threading
 import time
@@ -123,6 +124,9 @@ class HttpReporter:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self.sent_batches = 0
+        # An overloaded control plane's Retry-After (429): nothing is sent before this (monotonic), new
+        # batches are spooled meanwhile; a random share of it more spreads the retries of many ranks.
+        self._hold_until = 0.0
         self._thread = threading.Thread(target=self._run, name=f"reporter-{source}", daemon=True)
         self._thread.start()
 
@@ -165,6 +169,10 @@ class HttpReporter:
             self._wake.clear()
             stopping = self._stop.is_set()
             try:
+                if not stopping and time.monotonic() < self._hold_until:
+                    while (batch := self._drain()) is not None:
+                        self._spool.append(batch)
+                    continue
                 self._replay()
                 while (batch := self._drain()) is not None:
                     self._deliver(batch)
@@ -211,7 +219,10 @@ class HttpReporter:
             with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
                 payload = resp.read()
         except urllib.error.HTTPError as e:
-            if e.code == 429 or e.code >= 500:
+            if e.code == 429:
+                self._hold_until = time.monotonic() + _retry_after_s(e.headers.get("Retry-After"))
+                return RETRY
+            if e.code >= 500:
                 return RETRY
             detail = e.read()[:2000].decode("utf-8", "replace")
             log.error("reporter: control plane refused a batch (HTTP %s), dropping it: %s", e.code, detail)
@@ -227,6 +238,16 @@ class HttpReporter:
             if commands:
                 self._on_commands(commands)
         return OK
+
+
+def _retry_after_s(value: str | None, *, cap_s: float = 60.0) -> float:
+    """A 429's Retry-After (seconds; an HTTP date or nothing reads as 1 s), plus up to half again at
+    random so that ranks shed together do not come back together."""
+    try:
+        base = min(cap_s, max(0.0, float(value or 1)))
+    except ValueError:
+        base = 1.0
+    return base * (1.0 + 0.5 * random.random())
 
 
 def _jsonable(v: Any) -> Any:

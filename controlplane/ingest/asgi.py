@@ -21,10 +21,18 @@ from concurrent.futures import ThreadPoolExecutor
 import orjson
 from django.conf import settings
 
+from controlplane.ingest import liveness
+
 log = logging.getLogger(__name__)
+
+SHED_RETRY_AFTER_S = 2
 
 _PATH = re.compile(r"^/api/v1/jobs/(\d{1,18})/ingest$")
 _executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ingest")
+# Batches this process has taken and not answered yet (read by the event loop only). Past
+# ``INGEST_MAX_PENDING`` a new batch is shed: 429 with Retry-After, before its body is read. The trainers'
+# reporters spool it and retry after that long; the time counts as outage grace (``liveness``).
+_pending = 0
 
 
 def _run(job_id: int, authorization: str, content_length: str | None, body: bytes) -> tuple[int, dict, dict]:
@@ -56,6 +64,23 @@ async def _ingest(scope, receive, send, job_id: int) -> None:
         await _respond(send, 405, {"error": "use POST with a JSON batch (see /api/v1/openapi.json)",
                                    "field": None}, {"Allow": "POST"})
         return
+    global _pending
+    limit = settings.INGEST_MAX_PENDING
+    if limit and _pending >= limit:
+        liveness.shed()
+        await _respond(send, 429, {
+            "error": f"the control plane is shedding load ({_pending} batches queued in this process); "
+                     f"retry after {SHED_RETRY_AFTER_S} s (the trainers' reporters spool and retry)",
+            "field": None}, {"Retry-After": str(SHED_RETRY_AFTER_S)})
+        return
+    _pending += 1
+    try:
+        await _take(scope, receive, send, job_id)
+    finally:
+        _pending -= 1
+
+
+async def _take(scope, receive, send, job_id: int) -> None:
     headers = dict(scope["headers"])
     auth = headers.get(b"authorization", b"").decode("latin-1")
     clen = headers.get(b"content-length")

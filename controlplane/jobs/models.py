@@ -464,7 +464,8 @@ class QuarantinedHeartbeat(models.Model):
 class Outage(models.Model):
     """A time the control plane itself was impaired: a fact kept for the deadlines, the job pages, the
     banner and ``/metrics``. ``ingest`` (the web processes stopped ticking) and ``watchdog`` (it did
-    not run) are outage grace: that time never counts against a rank's heartbeat deadline. ``redis``,
+    not run) and ``shedding`` (ingest over capacity answered 429) are outage grace: that time never counts
+    against a rank's heartbeat deadline. ``redis``,
     ``database`` and ``broker`` are dependencies being unreachable (shown and counted). At most one
     open row (``ended_at`` null) per component."""
 
@@ -474,8 +475,9 @@ class Outage(models.Model):
         REDIS = "redis"
         DATABASE = "database"
         BROKER = "broker"
+        SHEDDING = "shedding"  # ingest answered 429: over capacity (``ingest.liveness``)
 
-    GRACE = (Component.INGEST, Component.WATCHDOG)
+    GRACE = (Component.INGEST, Component.WATCHDOG, Component.SHEDDING)
 
     component = models.CharField(max_length=20, choices=Component.choices)
     started_at = models.DateTimeField()
