@@ -200,3 +200,14 @@ def test_the_role_grants_exactly_what_the_launcher_uses(cluster, launcher):
     # Nothing granted that is not used (finalizers: for blockOwnerDeletion on the owner references).
     assert {x for x in role if not x[1].endswith("/finalizers")} == namespaced_used
     assert cluster_role == cluster_used
+
+
+def test_the_web_tier_scales_out_on_cpu_from_its_requests(docs):
+    """Ingest scales by replicas: an HPA on the web Deployment, on CPU utilisation of what the pod requests."""
+    hpa = by_kind(docs, "HorizontalPodAutoscaler")["unbroken-web"]
+    assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": "unbroken-web"}
+    assert 2 <= hpa["spec"]["minReplicas"] < hpa["spec"]["maxReplicas"]
+    web = by_kind(docs, "Deployment")["unbroken-web"]
+    requests = web["spec"]["template"]["spec"]["containers"][0]["resources"]["requests"]
+    assert "cpu" in requests  # utilisation is a share of the request: without one the HPA never acts
+    assert hpa["spec"]["metrics"][0]["resource"]["name"] == "cpu"
