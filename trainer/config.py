@@ -89,6 +89,8 @@ class TrainConfig:
     drills: tuple[Drill, ...] = ()
 
     report_url: str = ""
+    # The node agent the launcher started (UNBROKEN_AGENT_URL): reports go there, report_url when it is away.
+    agent_url: str = ""
     report_interval: float = 1.0
     # Each beat's busy_s is the rank's mean work per step over this many seconds (the straggler window).
     straggler_window: float = 5.0
@@ -233,6 +235,7 @@ def parse_config(argv: list[str] | None = None, env: dict[str, str] | None = Non
         ckpt_timeout=ns.ckpt_timeout, startup_timeout=ns.startup_timeout,
         drills=tuple(Drill.parse(d) for d in ns.drill),
         report_url=(ns.report_url if ns.report_url is not None else env.get("UNBROKEN_REPORT_URL", "")).rstrip("/"),
+        agent_url=env.get("UNBROKEN_AGENT_URL", "").rstrip("/"),
         report_interval=ns.report_interval, straggler_window=ns.straggler_window, log_every=ns.log_every,
         run_dir=ns.run_dir or env.get("UNBROKEN_RUN_DIR", ""),
         job_id=ns.job_id or env.get("UNBROKEN_JOB_ID", ""),

@@ -72,6 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--attempt", type=int, default=None)
     a("--entrypoint", default=None, help="the user's code: train.py | pkg.module | pkg.module:function")
     a("--workdir", default=None, help="run the user's code in this directory")
+    a("--node-agent", action="store_true",
+      help="relay the node's ranks' reports through one node agent (trainer/agent.py)")
     return p
 
 
@@ -299,7 +301,7 @@ def _is_resource_tracker(p: psutil.Process) -> bool:
         return False
 
 
-def sweep_children(timeout_s: float = 5.0) -> None:
+def sweep_children(timeout_s: float = 5.0, *, spare: int | None = None) -> None:
     """Terminate whatever is left of this process's tree (workers start their own sessions).
 
     Spared: multiprocessing's resource tracker, which exits by itself once this process and the
@@ -307,7 +309,8 @@ def sweep_children(timeout_s: float = 5.0) -> None:
     a KeyError traceback per semaphore into the job log).
     """
     try:
-        children = [c for c in psutil.Process().children(recursive=True) if not _is_resource_tracker(c)]
+        children = [c for c in psutil.Process().children(recursive=True)
+                    if not _is_resource_tracker(c) and c.pid != spare]  # spare: the node agent, stopped last
     except psutil.Error:
         return
     for c in children:
@@ -366,9 +369,18 @@ def main(argv: list[str] | None = None) -> int:
 
         app_store = dist.TCPStore(ns.rdzv_host, app_port, is_master=False, use_libuv=True,
                                   timeout=datetime.timedelta(seconds=300))
+    agent = None
+    if ns.node_agent and cfg.report_url:
+        from trainer.agent import AgentProcess
+
+        agent = AgentProcess(upstream=cfg.report_url, job_id=cfg.job_id, token=cfg.token,
+                             spool_dir=os.path.join(cfg.spool_dir, f"node{ns.node_rank}"),
+                             interval_s=cfg.report_interval).start()
+        os.environ["UNBROKEN_AGENT_URL"] = agent.url  # the ranks (forked after this) report through it
     reporter = make_reporter(url=cfg.report_url, job_id=cfg.job_id, token=cfg.token,
                              source=f"launcher:{ns.node_rank}" if ns.nnodes > 1 else "launcher", rank=None,
-                             spool_dir=cfg.spool_dir, interval_s=cfg.report_interval)
+                             spool_dir=cfg.spool_dir, interval_s=cfg.report_interval,
+                             agent_url=agent.url if agent is not None else "")
     hooks = LauncherHooks(reporter=reporter, attempt=cfg.attempt, app_store=app_store, in_job=ns.in_job)
     problem = check_entrypoint(ns.entrypoint) if ns.entrypoint is not None and ns.node_rank == 0 else ""
     if problem:
@@ -376,6 +388,8 @@ def main(argv: list[str] | None = None) -> int:
         reporter.event(EventKind.FAULT, {"fault": FaultClass.EXCEPTION, "detected_by": "launcher", "message": (
             f"the code failed before training started ({problem}); fix it and start a new job")[:4000]}, rank=None)
         reporter.close(timeout_s=10.0)
+        if agent is not None:
+            agent.stop()
         return EXIT_CANNOT_START
     if ns.in_job:
         hooks.install(nvrx_compat.launcher_agent_class())
@@ -417,11 +431,13 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if hooks.cannot_start:
             rc = EXIT_CANNOT_START
-        sweep_children()
+        sweep_children(spare=agent.pid if agent is not None else None)
         reporter.event(EventKind.LAUNCHER, {
             "message": f"launcher exiting with status {rc} after {time.monotonic() - t0:.1f} s",
             "exit_code": rc}, rank=None)
         reporter.close(timeout_s=10.0)
+        if agent is not None:
+            agent.stop()
         del stores
     return rc
 

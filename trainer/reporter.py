@@ -105,8 +105,12 @@ class HttpReporter:
 
     def __init__(self, *, url: str, job_id: str, token: str, source: str, rank: int | None, spool_dir: str,
                  interval_s: float = 1.0, timeout_s: float = 5.0,
-                 on_commands: Callable[[list[dict[str, Any]]], None] | None = None):
+                 on_commands: Callable[[list[dict[str, Any]]], None] | None = None, fallback_url: str = ""):
         self.endpoint = f"{url.rstrip('/')}/api/v1/jobs/{job_id}/ingest"
+        # ``url`` is the node agent (trainer/agent.py) and this the control plane: a batch the agent does
+        # not take (it is down or hung) goes there directly.
+        self.fallback = f"{fallback_url.rstrip('/')}/api/v1/jobs/{job_id}/ingest" if fallback_url else ""
+        self.sent_direct = 0
         self._token = token
         self.source, self.rank = source, rank
         self.interval_s, self.timeout_s = interval_s, timeout_s
@@ -213,7 +217,14 @@ class HttpReporter:
 
     def _send(self, batch: dict[str, Any]) -> str:
         body = json.dumps({**batch, "sent_at": time.time()}, separators=(",", ":")).encode()
-        req = urllib.request.Request(self.endpoint, data=body, method="POST", headers={
+        verdict = self._post(self.endpoint, body)
+        if verdict == RETRY and self.fallback and time.monotonic() >= self._hold_until:
+            verdict = self._post(self.fallback, body)
+            self.sent_direct += verdict == OK
+        return verdict
+
+    def _post(self, endpoint: str, body: bytes) -> str:
+        req = urllib.request.Request(endpoint, data=body, method="POST", headers={
             "Content-Type": "application/json", "Authorization": f"Bearer {self._token}"})
         try:
             with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
@@ -263,9 +274,13 @@ def _jsonable(v: Any) -> Any:
 
 
 def make_reporter(*, url: str, job_id: str, token: str, source: str, rank: int | None, spool_dir: str,
-                  interval_s: float, on_commands: Callable[[list[dict[str, Any]]], None] | None = None
-                  ) -> Reporter:
+                  interval_s: float, on_commands: Callable[[list[dict[str, Any]]], None] | None = None,
+                  agent_url: str = "") -> Reporter:
+    """The reporter for ``url`` (none without one); through the node agent at ``agent_url`` when set."""
     if not url:
         return NullReporter()
+    if agent_url:
+        return HttpReporter(url=agent_url, fallback_url=url, job_id=job_id, token=token, source=source, rank=rank,
+                            spool_dir=spool_dir, interval_s=interval_s, on_commands=on_commands)
     return HttpReporter(url=url, job_id=job_id, token=token, source=source, rank=rank, spool_dir=spool_dir,
                         interval_s=interval_s, on_commands=on_commands)

@@ -156,7 +156,8 @@ class UserRun:
         self._acted: dict[int, float] = {}
         self.reporter = reporter or make_reporter(
             url=cfg.report_url, job_id=cfg.job_id, token=cfg.token, source=f"rank:{self.rank}", rank=self.rank,
-            spool_dir=cfg.spool_dir, interval_s=cfg.report_interval, on_commands=self.inbox.offer)
+            spool_dir=cfg.spool_dir, interval_s=cfg.report_interval, on_commands=self.inbox.offer,
+            agent_url=cfg.agent_url)
         self.app_store = None
         if env.stores_external:
             try:

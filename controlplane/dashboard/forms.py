@@ -90,6 +90,7 @@ class JobForm(forms.Form):
     checkpoint_mode = forms.ChoiceField(choices=[(m, m) for m in CHECKPOINT_MODES])
     keep_checkpoints = forms.IntegerField(min_value=1)
     in_process = forms.BooleanField(required=False, label="In-process restarts (NVRx Wrapper)")
+    node_agent = forms.BooleanField(required=False, label="Node agent (one request per node per interval)")
     in_job = forms.BooleanField(required=False, label="In-job restarts (ft_launcher)")
     job_restart = forms.BooleanField(required=False, label="Job-level restarts (new processes / pods)")
     max_in_process_restarts = forms.IntegerField(min_value=0)

@@ -140,6 +140,9 @@ class JobSpec:
     # above the median of the other ranks' is marked a straggler (0: off). See jobs/health.py.
     straggler_margin_pct: float = 20.0
     straggler_window_s: float = 5.0
+    # One node agent per node (trainer/agent.py) relays the node's ranks' reports as one request per
+    # interval; the ranks post directly when it is away.
+    node_agent: bool = False
     drills: tuple[Drill, ...] = ()
     kubernetes: KubernetesSpec | None = None
     # The user's own training code ("" = the built-in example model, ``preset``). See the README,

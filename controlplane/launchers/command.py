@@ -75,6 +75,7 @@ def launch_args(spec: JobSpec, *, node_rank: int | str, rdzv_endpoint: str, run_
         "--max-restarts", str(spec.max_in_job_restarts if spec.in_job else 0),
         "--in-job" if spec.in_job else "--no-in-job",
         *(["--max-no-progress-restarts", str(n)] if (n := spec.max_no_progress_restarts) else []),
+        *(["--node-agent"] if spec.node_agent else []),
         "--run-dir", run_dir,
         "--job-id", str(job_id),
         "--attempt", str(attempt),

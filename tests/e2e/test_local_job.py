@@ -8,7 +8,7 @@ import psutil
 import pytest
 
 from controlplane.jobs import services
-from controlplane.jobs.models import Checkpoint, Command, Fault, Job, JobStatus, Rank, RestartCycle
+from controlplane.jobs.models import Checkpoint, Command, Event, Fault, Job, JobStatus, Rank, RestartCycle
 from controlplane.jobs.spec import Drill, JobSpec
 from controlplane.jobs.versions import runtime_versions
 from controlplane.launchers.local import launch_tag
@@ -44,8 +44,11 @@ def _tagged_processes(tag: str) -> list[int]:
     return out
 
 
-def test_it_runs_a_drill_job_to_success_with_faults_and_cycles(e2e_settings, celery_beat_thread):
-    job = _job(drills=(Drill(step=25, fault="exception", rank=1), Drill(step=55, fault="sigkill", rank=0)))
+@pytest.mark.parametrize("node_agent", [False, True], ids=["direct", "node-agent"])
+def test_it_runs_a_drill_job_to_success_with_faults_and_cycles(e2e_settings, celery_beat_thread, node_agent):
+    """The same faults, layers and phases whether the ranks report directly or through the node agent."""
+    job = _job(drills=(Drill(step=25, fault="exception", rank=1), Drill(step=55, fault="sigkill", rank=0)),
+               node_agent=node_agent)
     try:
         wait_for(lambda: _status(job) in (JobStatus.SUCCEEDED, JobStatus.FAILED), timeout_s=240,
                  what="the job to finish")
@@ -71,6 +74,8 @@ def test_it_runs_a_drill_job_to_success_with_faults_and_cycles(e2e_settings, cel
         durable = Checkpoint.objects.filter(job=job, state=CheckpointState.DURABLE)
         assert durable.count() >= 3
         assert all(c.blocking_s is not None and c.write_s is not None for c in durable)
+        sources = set(Event.objects.filter(job=job).values_list("source", flat=True))
+        assert any(s.startswith("agent:") for s in sources) == node_agent, sources
     finally:
         _cleanup(job)
 
