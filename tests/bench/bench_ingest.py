@@ -229,6 +229,9 @@ def main() -> None:
                    help="the job's step_timeout_s (production default 30; shorter so the loss lands in the run)")
     p.add_argument("--workers", type=int, default=2, help="uvicorn worker processes")
     p.add_argument("--celery-concurrency", type=int, default=2)
+    p.add_argument("--single-ranks", type=int, default=3000,
+                   help="the one-beat-per-request shape (each rank posting for itself, no node agent): ranks "
+                        "beating every second, one run after the batched ones (0: skip)")
     args = p.parse_args()
 
     db_url = os.environ.get("DATABASE_URL") or DEFAULT_DB
@@ -273,6 +276,13 @@ def main() -> None:
         runs.append(out)
         print(f"run {i + 1}/{args.runs}: " + " ".join(
             f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in out.items()), flush=True)
+    if args.single_ranks:
+        single = argparse.Namespace(**{**vars(args), "ranks": args.single_ranks, "batch_size": 1, "interval_s": 1.0,
+                                       "connections": 128})
+        out = one_run(single, env, args.runs, tmp)
+        print(f"one beat per request ({args.single_ranks} ranks, 1 s): requests_per_s={out['rank_heartbeats_per_s']:.0f} "
+              f"p50_ms={out['p50_ms']:.1f} p99_ms={out['p99_ms']:.1f} errors={out['errors']} cpu_pct={out['cpu_pct']}",
+              flush=True)
     med = {k: statistics.median(r[k] for r in runs) for k in ("rank_heartbeats_per_s", "p50_ms", "p99_ms", "detect_s")}
     print(f"rank_heartbeats_per_s={med['rank_heartbeats_per_s']:.0f} p50_ms={med['p50_ms']:.1f} "
           f"p99_ms={med['p99_ms']:.1f} detect_s={med['detect_s']:.2f}")
