@@ -27,6 +27,8 @@ _FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<fn>
 _EXC = re.compile(r"^(?P<type>[A-Za-z_][\w.]*(?:Error|Exception|Interrupt|Exit|Warning|[A-Z]\w*))(?::\s?(?P<msg>.*))?$")
 _SIGNAL = re.compile(r"\b(SIG[A-Z0-9]+)\b")
 _EXIT = re.compile(r"\bexit(?: code| status)? (-?\d+)\b")
+# How the launchers word an exit status in a fault's message ("exited with code 93", "exit code 93").
+_EXIT_SAID = re.compile(r"\bexit(?:ed with)?(?: code| status) (-?\d+)\b")
 # The launcher's and the ranks' log format: "2026-12-03 15:41:37,123 r1 INFO name: message".
 _LOG_LINE = re.compile(r"^(?P<ts>\d{4}-\d{2}-\d{2} \d{2}:\d{2}:\d{2}),(?P<ms>\d{3}) (?P<who>\S+) ")
 
@@ -118,20 +120,37 @@ def fault_evidence(f: Fault, *, log_text: str | None = None, log_why: str | None
     fig = figures.fault_figures(f, rank_nodes=rank_nodes)
     message = redact(f.message or "")
     exc_type, exc_msg, frames = parse_traceback(message)
-    data: dict = {}
-    if f.source_key.startswith("event:"):
-        data = (Event.objects.filter(job_id=f.job_id, event_id=f.source_key[6:]).values_list("data", flat=True)
-                .first()) or {}
-    said = f"{data.get('interruption') or ''} {message}"
-    sig = _SIGNAL.search(said)
-    code = _EXIT.search(str(data.get("interruption") or ""))
+    data = fault_data(f)
+    sig, code = kill_facts(f, data, message=message)
     step = data.get("step") if type(data.get("step")) is int else (f.cycle.step_at_fault if f.cycle else None)
     saving = Checkpoint.objects.filter(job_id=f.job_id, started_at__lte=f.at).exclude(finished_at__lt=f.at).exists()
     ev = Evidence(summary="", message=message, exception_type=exc_type, exception_message=exc_msg, frames=frames,
-                  signal=sig.group(1) if sig else None, exit_code=int(code.group(1)) if code else None,
+                  signal=sig, exit_code=code,
                   phase="checkpoint save" if saving else ("training" if step is not None else None), step=step,
                   log=log_lines(log_text, rank=f.rank, at=f.at, until=f.detected_at), log_why=log_why)
     return Evidence(**{**{k: getattr(ev, k) for k in Evidence.__slots__}, "summary": summary(f, fig, ev)})
+
+
+def fault_data(f: Fault) -> dict:
+    """The data of the trainer's fault event that recorded ``f`` (empty for the watchdog's and launcher's)."""
+    if not f.source_key.startswith("event:"):
+        return {}
+    return (Event.objects.filter(job_id=f.job_id, event_id=f.source_key[6:]).values_list("data", flat=True)
+            .first()) or {}
+
+
+def kill_facts(f: Fault, data: dict, *, message: str | None = None,
+               from_message: bool = False) -> tuple[str | None, int | None]:
+    """(signal name, exit code) of a fault: the signal from its interruption or message, the exit code
+    from its interruption (ft_launcher's "exit 93"), and with ``from_message`` also from how the launchers
+    word it in the message ("exited with code 93", "exit code 137 (SIGKILL)")."""
+    message = (f.message or "") if message is None else message
+    said = f"{data.get('interruption') or ''} {message}"
+    sig = _SIGNAL.search(said)
+    code = _EXIT.search(str(data.get("interruption") or ""))
+    if code is None and from_message:
+        code = _EXIT_SAID.search(message)
+    return (sig.group(1) if sig else None), (int(code.group(1)) if code else None)
 
 
 def summary(f: Fault, fig: figures.FaultFigures, ev: Evidence) -> str:

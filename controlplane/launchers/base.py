@@ -61,6 +61,11 @@ class Launcher(Protocol):
         """Stop everything of this job; idempotent; returns when nothing is left."""
         ...
 
+    def hold(self, job: Job) -> str:
+        """Keep the job's processes or pods for debugging, without letting them train on (a failure
+        policy's ``stop_keep``); ``stop`` releases them. Returns what was kept, in words."""
+        ...
+
     def poll(self, job: Job) -> PollResult:
         """Where the job's processes or pods are now."""
         ...

@@ -237,6 +237,17 @@ class KubernetesLauncher:
                        allow=(404,))
         self._wait_gone(names, ops, job_id=job.pk, deadline_s=grace + self.delete_wait_s)
 
+    def hold(self, job: Job) -> str:
+        """Keep the attempt's objects for debugging: nothing is deleted, so failed containers keep their
+        status, termination message and logs, and ``kubectl exec`` reaches running ones. The API offers no
+        way to freeze a running container, so a trainer still running in a pod runs on until Stop."""
+        names = manifests.names_for(job.job_spec, job.pk)
+        pods = self._pods(names, job.pk, job.attempt)
+        running = [p["metadata"]["name"] for p in pods if p.get("status", {}).get("phase") == "Running"]
+        return (f"{names.kind} {names.namespace}/{names.workload} and its {len(pods)} pod(s) kept"
+                + (f" ({len(running)} still running: {', '.join(running[:4])})" if running else "")
+                + "; Stop deletes them")
+
     def _wait_gone(self, names: manifests.Names, ops: dict, *, job_id: int | None, deadline_s: float) -> None:
         deadline = time.monotonic() + deadline_s
         delay = 0.2

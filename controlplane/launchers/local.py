@@ -168,10 +168,31 @@ class LocalLauncher:
                             source_key=f"lost-a{st.get('attempt', 0)}")
         return PollResult(state="lost", reason=reason, faults=[fault])
 
+    def hold(self, job: Job) -> str:
+        """Freeze every process of the attempt (SIGSTOP to its session's group and to the tagged escapees):
+        memory, stacks and files stay as the fault left them for py-spy or gdb; ``stop`` ends them."""
+        proc = self._process(job)
+        n = 0
+        if proc is not None:
+            try:
+                os.killpg(proc.pid, signal.SIGSTOP)
+                n += 1
+            except ProcessLookupError:
+                pass
+        tag = (job.launcher_state or {}).get("tag")
+        n += _signal_tagged(tag, signal.SIGSTOP) if tag else 0
+        if not n:
+            return "no process was left to keep"
+        return f"processes frozen (SIGSTOP), session {proc.pid if proc else '-'}: attach py-spy or gdb; Stop ends them"
+
     def stop(self, job: Job, *, grace_s: float) -> None:
         st = job.launcher_state or {}
         proc = self._process(job)
         if proc is not None:
+            try:
+                os.killpg(proc.pid, signal.SIGCONT)  # a held (frozen) attempt must see the SIGTERM
+            except ProcessLookupError:
+                pass
             try:
                 os.killpg(proc.pid, signal.SIGTERM)
             except ProcessLookupError:
@@ -239,6 +260,11 @@ def _group_alive(pgid: int) -> bool:
 
 def _kill_tagged(tag: str) -> int:
     """SIGKILL every process whose environment carries this launch tag (escaped daemons)."""
+    return _signal_tagged(tag, signal.SIGKILL)
+
+
+def _signal_tagged(tag: str, sig: signal.Signals) -> int:
+    """Send ``sig`` to every process whose environment carries this launch tag."""
     n = 0
     me = os.getpid()
     for p in psutil.process_iter(["pid"]):
@@ -246,7 +272,7 @@ def _kill_tagged(tag: str) -> int:
             continue
         try:
             if p.environ().get("UNBROKEN_LAUNCH_TAG") == tag:
-                p.kill()
+                p.send_signal(sig)
                 n += 1
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             continue
