@@ -50,7 +50,6 @@ from controlplane.jobs.services import request_stop, set_status
 from controlplane.jobs.spec import JobSpec
 from trainer.policy import (
     ACTION_WORDS,
-    IN_PROCESS_CLASSES,
     POD_CLASSES,
     START_CLASSES,
     STRAGGLER,
@@ -270,6 +269,20 @@ def apply_policies(now: datetime | None = None) -> int:
     now = now or timezone.now()
     pending = list(Fault.objects.filter(policy_at__isnull=True, job__status__in=ACTIVE_STATUSES)
                    .select_related("cycle").order_by("at", "id")[:1000])
+    return _decide_all(pending, now)
+
+
+def apply_job_policies(job: Job, now: datetime | None = None) -> int:
+    """``apply_policies`` for one job's undecided faults (the launcher's supervise pass runs it before it
+    decides how an attempt that ended goes on, so a trainer fault's rule is never overtaken)."""
+    pending = list(Fault.objects.filter(job=job, policy_at__isnull=True).select_related("cycle")
+                   .order_by("at", "id")[:1000])
+    acted = _decide_all(pending, now or timezone.now())
+    job.refresh_from_db()
+    return acted
+
+
+def _decide_all(pending: list[Fault], now: datetime) -> int:
     jobs = {j.pk: j for j in Job.objects.filter(pk__in={f.job_id for f in pending})}
     acted = 0
     for f in pending:
@@ -306,6 +319,6 @@ def apply_to_straggler(job: Job, rank: int, slowdown_pct: float, now: datetime) 
     return carry_out(job, d, key=key, subject=subject, rank=rank, now=now)
 
 
-__all__ = ["IN_PROCESS_CLASSES", "POLICY_EVENT", "NextRow", "apply_policies", "apply_to_straggler", "budget",
+__all__ = ["POLICY_EVENT", "NextRow", "apply_job_policies", "apply_policies", "apply_to_straggler", "budget",
            "carry_out", "decide_fault", "decide_launch", "facts_of", "launch_facts", "record", "rule_counts",
            "storm_cycles", "what_next"]

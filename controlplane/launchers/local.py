@@ -30,8 +30,9 @@ from trainer import nvrx_compat
 from trainer.ports import free_port_block
 from trainer.wire import FaultClass
 
-# trainer.launch's exit status for refused flags and for user code that cannot start (trainer/launch.py).
-EXIT_BAD_FLAGS, EXIT_CANNOT_START = 2, 3
+# trainer.launch's exit status for refused flags, for user code that cannot start, and for a failure-policy
+# rule that said stop (trainer/launch.py).
+EXIT_BAD_FLAGS, EXIT_CANNOT_START, EXIT_POLICY_STOP = 2, 3, 4
 
 _SHELL = 'echo $$ > "$UNBROKEN_PID_FILE"; "$@"; echo $? > "$UNBROKEN_EXIT_FILE"'
 
@@ -155,7 +156,7 @@ class LocalLauncher:
             if code == 0:
                 return PollResult(state="succeeded", reason="training finished")
             reason = _exit_reason(code)
-            if code in (EXIT_BAD_FLAGS, EXIT_CANNOT_START):
+            if code in (EXIT_BAD_FLAGS, EXIT_CANNOT_START, EXIT_POLICY_STOP):
                 # The same code and flags fail the same way again: no job-level restart.
                 return PollResult(state="failed", reason=reason, retryable=False)
             fault = LaunchFault(fault_class=FaultClass.PROCESS_KILLED, message=reason,
@@ -282,6 +283,8 @@ def _signal_tagged(tag: str, sig: signal.Signals) -> int:
 def _exit_reason(code: int) -> str:
     if code == EXIT_CANNOT_START:
         return "the training code failed before training started; its traceback is in the fault table"
+    if code == EXIT_POLICY_STOP:
+        return "a failure-policy rule stopped the job's in-job restarts (exit 4); see the policy event"
     if code == EXIT_BAD_FLAGS:
         return "the launcher refused the job's settings (exit 2); see the log"
     if code > 128:

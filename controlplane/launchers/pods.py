@@ -21,7 +21,8 @@ IMAGE_PULL_REASONS = frozenset({"ErrImagePull", "ImagePullBackOff", "ErrImageNev
 # Container states that will never start: waiting longer does not help.
 TERMINAL_WAITING = frozenset({"InvalidImageName", "CreateContainerConfigError", "CreateContainerError"})
 # trainer.launch's exit statuses that a job-level restart would only repeat (trainer/launch.py).
-FINAL_EXITS = {2: "the launcher refused the job's settings", 3: "the training code cannot start"}
+FINAL_EXITS = {2: "the launcher refused the job's settings", 3: "the training code cannot start",
+               4: "a failure-policy rule stopped the job"}
 NODE_LOST_DISRUPTIONS = frozenset({"DeletionByTaintManager", "DeletionByPodGC"})
 EVICTION_DISRUPTIONS = frozenset({"EvictionByEvictionAPI", "PreemptionByScheduler", "TerminationByKubelet"})
 

@@ -31,7 +31,7 @@ from controlplane.jobs.services import begin_job_restart, finish_command, set_st
 from controlplane.launchers.backends import get_launcher
 from controlplane.launchers.base import LaunchError, LaunchFault, PollResult, TransientLaunchError
 from trainer.policy import Action, Decision
-from trainer.wire import CommandKind, cycle_key
+from trainer.wire import CommandKind, Layer, cycle_key
 
 log = logging.getLogger(__name__)
 STOP_GRACE_S = 10.0
@@ -186,6 +186,10 @@ def _end_of_attempt(job: Job, result: PollResult) -> None:
     its faults, else the default: relaunch while job-level restarts are left and a relaunch can help, else
     fail the job). The decision is a ``policy`` event on the timeline."""
     spec = job.job_spec
+    policy.apply_job_policies(job)  # the ranks' own faults first: their rules may have stopped or restarted it
+    if not job.is_active or job.commands.filter(kind=CommandKind.RESTART, level=Layer.JOB).exclude(
+            status__in=(CommandStatus.DONE, CommandStatus.FAILED)).exists():
+        return
     decision = policy.decide_launch(job, [(f.fault_class, f.message) for f in result.faults], spec)
     can_restart = result.retryable and spec.job_restart and job.attempt < spec.max_job_restarts
     if decision is None or decision.action not in (Action.STOP, Action.STOP_KEEP, Action.RESTART_JOB,
