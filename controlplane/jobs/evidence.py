@@ -29,6 +29,9 @@ _SIGNAL = re.compile(r"\b(SIG[A-Z0-9]+)\b")
 _EXIT = re.compile(r"\bexit(?: code| status)? (-?\d+)\b")
 # How the launchers word an exit status in a fault's message ("exited with code 93", "exit code 93").
 _EXIT_SAID = re.compile(r"\bexit(?:ed with)?(?: code| status) (-?\d+)\b")
+# A Kubernetes container's end, as ``launchers.pods.termination_detail`` words it in a fault's message.
+_TERMINATED = re.compile(r"^container \S+ terminated: reason (?P<reason>\S+), exit code (?P<code>-?\d+)"
+                         r"(?:, signal \d+)?$", re.M)
 # The launcher's and the ranks' log format: "2026-12-03 15:41:37,123 r1 INFO name: message".
 _LOG_LINE = re.compile(r"^(?P<ts>\d{4}-\d{2}-\d{2} \d{2}:\d{2}:\d{2}),(?P<ms>\d{3}) (?P<who>\S+) ")
 
@@ -73,6 +76,9 @@ class Evidence:
     step: int | None = None
     log: list[str] = field(default_factory=list)  # the rank's lines around the fault's time
     log_why: str | None = None  # why there are none
+    # Kubernetes: the container's termination reason (OOMKilled, Error, ...) and message, as the kubelet kept them
+    reason: str | None = None
+    termination_message: str | None = None
 
 
 def parse_traceback(text: str) -> tuple[str | None, str | None, list[Frame]]:
@@ -95,20 +101,21 @@ def parse_traceback(text: str) -> tuple[str | None, str | None, list[Frame]]:
 
 
 def log_lines(text: str | None, *, rank: int | None, at: datetime, until: datetime | None = None) -> list[str]:
-    """The lines of ``rank`` (and of the launcher) from ``LOG_BEFORE_S`` before ``at`` to ``LOG_AFTER_S`` after
-    ``until`` (its detection; default ``at``), with the untimed lines that follow one of them (a traceback,
-    the stack of a hung rank's main thread that the in-process layer logs at abort)."""
+    """The lines of ``rank`` (and of the launcher; every rank's for a fault of no one rank, such as a pod's
+    or the launcher's own) from ``LOG_BEFORE_S`` before ``at`` to ``LOG_AFTER_S`` after ``until`` (its
+    detection; default ``at``), with the untimed lines that follow one of them (a traceback, the stack of a
+    hung rank's main thread that the in-process layer logs at abort)."""
     if not text:
         return []
     lo, hi = at.timestamp() - LOG_BEFORE_S, max(at, until or at).timestamp() + LOG_AFTER_S
-    wanted = {"launcher", f"r{rank}"} if rank is not None else {"launcher"}
+    wanted = {"launcher", f"r{rank}"} if rank is not None else None
     out: list[str] = []
     keep = False
     for line in text.splitlines():
         m = _LOG_LINE.match(line)
         if m:
             t = datetime.strptime(m["ts"], "%Y-%m-%d %H:%M:%S").timestamp() + int(m["ms"]) / 1000  # local time
-            keep = lo <= t <= hi and m["who"] in wanted
+            keep = lo <= t <= hi and (wanted is None or m["who"] in wanted)
         if keep:
             out.append(redact(line[:500]))
     return out[-MAX_LOG_LINES:]
@@ -122,12 +129,17 @@ def fault_evidence(f: Fault, *, log_text: str | None = None, log_why: str | None
     exc_type, exc_msg, frames = parse_traceback(message)
     data = fault_data(f)
     sig, code = kill_facts(f, data, message=message)
+    term = _TERMINATED.search(message)
+    if term is not None and code is None:
+        code = int(term["code"])
     step = data.get("step") if type(data.get("step")) is int else (f.cycle.step_at_fault if f.cycle else None)
     saving = Checkpoint.objects.filter(job_id=f.job_id, started_at__lte=f.at).exclude(finished_at__lt=f.at).exists()
     ev = Evidence(summary="", message=message, exception_type=exc_type, exception_message=exc_msg, frames=frames,
                   signal=sig, exit_code=code,
                   phase="checkpoint save" if saving else ("training" if step is not None else None), step=step,
-                  log=log_lines(log_text, rank=f.rank, at=f.at, until=f.detected_at), log_why=log_why)
+                  log=log_lines(log_text, rank=f.rank, at=f.at, until=f.detected_at), log_why=log_why,
+                  reason=term["reason"] if term else None,
+                  termination_message=(message[term.end():].strip() or None) if term else None)
     return Evidence(**{**{k: getattr(ev, k) for k in Evidence.__slots__}, "summary": summary(f, fig, ev)})
 
 

@@ -70,5 +70,6 @@ class Launcher(Protocol):
         """Where the job's processes or pods are now."""
         ...
 
-    def log_tail(self, job: Job, *, max_bytes: int = 16384) -> str:
+    def log_tail(self, job: Job, *, max_bytes: int = 16384, node_rank: int | None = None) -> str:
+        """The end of the job's log (``node_rank``: of that node's process or pod, where they differ)."""
         ...

@@ -30,6 +30,8 @@ from controlplane.launchers.base import LaunchError, PollResult, TransientLaunch
 from controlplane.launchers.command import nvrx_problems
 from controlplane.launchers.pods import needs_events, node_rank, summarize
 
+_pod_node_rank = node_rank  # log_tail's keyword argument shadows the name
+
 log = logging.getLogger(__name__)
 
 TRANSIENT_STATUSES = frozenset({429, 500, 502, 503, 504})
@@ -286,11 +288,13 @@ class KubernetesLauncher:
             events = [e for e in got.get("items", []) if e.get("involvedObject", {}).get("name") in wanted]
         return summarize(workload, pods, events, nodes=spec.nodes, procs_per_node=spec.procs_per_node)
 
-    def log_tail(self, job: Job, *, max_bytes: int = 16384) -> str:
-        """The end of the log of the first failed pod, else of node 0."""
+    def log_tail(self, job: Job, *, max_bytes: int = 16384, node_rank: int | None = None) -> str:
+        """The end of the log of ``node_rank``'s pod, else of the first failed pod, else of node 0's."""
         spec = job.job_spec
         names = manifests.names_for(spec, job.pk)
         pods = self._pods(names, job.pk, job.attempt)
+        if node_rank is not None:
+            pods = [p for p in pods if _pod_node_rank(p) == node_rank]
         if not pods:
             return ""
         pod = next((p for p in pods if p.get("status", {}).get("phase") == "Failed"), pods[0])

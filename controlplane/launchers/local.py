@@ -209,7 +209,7 @@ class LocalLauncher:
         if tag:
             _kill_tagged(tag)
 
-    def log_tail(self, job: Job, *, max_bytes: int = 16384) -> str:
+    def log_tail(self, job: Job, *, max_bytes: int = 16384, node_rank: int | None = None) -> str:
         path = (job.launcher_state or {}).get("log")
         if not path or not os.path.exists(path):
             return ""
