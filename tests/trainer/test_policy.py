@@ -110,3 +110,17 @@ def test_ft_launcher_stops_restarting_only_on_a_written_stop():
 def test_it_names_signals():
     assert signal_name(9) == signal_name("KILL") == signal_name("sigkill") == "SIGKILL"
     assert signal_name("NOPE") is None
+
+
+def test_ft_launchers_hook_counts_matches_over_rounds_and_names_the_rule():
+    from trainer.launch import LauncherHooks
+    from trainer.reporter import NullReporter
+
+    hooks = LauncherHooks(reporter=NullReporter(), attempt=0, app_store=None, in_job=True, rules=parse_rules([
+        {"match": {"class": "exception"}, "action": "stop", "after": 2},
+        {"match": {"signal": "SIGSEGV"}, "action": "restart_job"}]))
+    failed = {1: {"exitcode": 1, "signal": None, "pid": 10, "local_rank": 1}}
+    assert hooks._policy(failed, {}) is None  # the first exception: ft_launcher restarts the group
+    assert hooks._policy(failed, {}).why == "rule 1: exception ×2 without progress → stop the job"
+    segv = {0: {"exitcode": -11, "signal": "SIGSEGV", "pid": 11, "local_rank": 0}}
+    assert hooks._policy(segv, {}).action == Action.RESTART_JOB
