@@ -48,8 +48,8 @@ from trainer.config import TrainConfig, parse_config
 from trainer.policy import Action, Decision, Facts, PolicyError, Rule, parse_rules, signal_name, stops_in_job
 from trainer.reporter import Reporter, make_reporter
 from trainer.runtime import (ENV_APP_STORE_PORT, ENV_IN_JOB, ENV_STORE_HOST, ENV_WRAPPER_STORE_PORT,
-                             host_store, take_fault)
-from trainer.wire import CycleMark, EventKind, FaultClass, Layer, cycle_key
+                             host_store, read_hang_stack, take_fault)
+from trainer.wire import MAX_EVIDENCE_CHARS, CycleMark, EventKind, FaultClass, Layer, cycle_key, redact
 
 log = logging.getLogger("trainer.launch")
 
@@ -202,8 +202,9 @@ class LauncherHooks:
     """
 
     def __init__(self, *, reporter: Reporter, attempt: int, app_store: Any, in_job: bool,
-                 rules: tuple[Rule, ...] = ()):
+                 rules: tuple[Rule, ...] = (), run_dir: str = "", step_timeout_s: float = 30.0):
         self.reporter, self.attempt, self.app_store, self.in_job = reporter, attempt, app_store, in_job
+        self.run_dir, self.step_timeout_s = run_dir, step_timeout_s
         self.restarting_cycle: str | None = None
         self.cannot_start = False  # the user's code failed before training started: no more rounds
         self.rules = rules
@@ -298,13 +299,18 @@ class LauncherHooks:
         first = min(failures) if failures else None
         rank = facts.get("rank", first)
         sig = failures.get(first, {}).get("signal") if first is not None else None
-        fault = facts.get("fault") or (FaultClass.PROCESS_KILLED if sig else FaultClass.EXCEPTION)
+        # A rank whose loop stopped beating wrote its stacks (PacedFt) before ft_launcher's timeout ended it.
+        stack = read_hang_stack(self.run_dir, rank, since=detected_at - 2 * self.step_timeout_s - 5) \
+            if self.run_dir and type(rank) is int else ""
+        fault = facts.get("fault") or (FaultClass.HANG if stack else FaultClass.PROCESS_KILLED if sig
+                                       else FaultClass.EXCEPTION)
         cycle = cycle_key(attempt=self.attempt, restart_count=round_ + 1) if will_restart else None
         self.reporter.event(EventKind.FAULT, {
             "fault": fault, "cycle": cycle, "detected_by": "launcher", "rank": rank,
             "interruption": f"exit {failures[first]['exitcode']}" + (f" {sig}" if sig else "") if first is not None
             else result.state.name,
-            "message": _with_traceback(facts.get("message") or desc, facts.get("traceback")),
+            "message": _with_stack(_with_traceback(facts.get("message") or desc, facts.get("traceback")), rank,
+                                   stack),
             **({"step": facts["step"]} if facts.get("step") is not None else {})}, rank=rank)
         if cycle:
             self.restarting_cycle = cycle
@@ -314,15 +320,16 @@ class LauncherHooks:
 
 
     def _policy(self, failures: dict[int, dict], facts: dict) -> Decision | None:
-        """The written rule that says this round's failure must not be restarted in-job (``policy.stops_in_job``,
-        the control plane's own decision function), counting each rule's matches over the launch's rounds."""
+        """The written rule that says this round's failure must not be restarted in-job
+        (``policy.stops_in_job``, the control plane's own decision function), counting each rule's matches
+        over the launch's rounds."""
         if not self.rules:
             return None
         cases = [Facts(fault_class=facts.get("fault") or (FaultClass.PROCESS_KILLED if f["signal"]
                                                             else FaultClass.EXCEPTION),
                        exit_code=f["exitcode"] if (f["exitcode"] or 0) > 0 else None,
-                       signal=signal_name(f["signal"]) if f["signal"] else None, text=str(facts.get("message") or ""))
-                 for f in failures.values()]
+                       signal=signal_name(f["signal"]) if f["signal"] else None,
+                       text=str(facts.get("message") or "")) for f in failures.values()]
         for i, rule in enumerate(self.rules):
             if any(rule.match.matches(c) for c in cases):
                 self._matched[i] += 1
@@ -331,6 +338,13 @@ class LauncherHooks:
             if d is not None:
                 return d
         return None
+
+
+def _with_stack(message: str, rank: Any, stack: str) -> str:
+    if not stack:
+        return message
+    return redact(f"{message[:1000]}\n\nStacks of rank {rank}'s threads when its heartbeats stopped "
+                  f"(faulthandler, most recent call first; ft_launcher then ended it):\n{stack}")[:MAX_EVIDENCE_CHARS]
 
 
 def _with_traceback(message: str, tb: str | None) -> str:
@@ -415,7 +429,7 @@ def main(argv: list[str] | None = None) -> int:
                              source=f"launcher:{ns.node_rank}" if ns.nnodes > 1 else "launcher", rank=None,
                              spool_dir=cfg.spool_dir, interval_s=cfg.report_interval)
     hooks = LauncherHooks(reporter=reporter, attempt=cfg.attempt, app_store=app_store, in_job=ns.in_job,
-                          rules=ns.rules)
+                          rules=ns.rules, run_dir=cfg.run_dir, step_timeout_s=cfg.step_timeout)
     problem = check_entrypoint(ns.entrypoint) if ns.entrypoint is not None and ns.node_rank == 0 else ""
     if problem:
         log.error("cannot start %s: %s", ns.entrypoint, problem)
