@@ -21,7 +21,9 @@ What it does, in order:
 3. Runs NVRx ``ft_launcher`` in this process with hooks on its agent (--in-job: group restarts up to
    K times, heartbeat timeouts derived from the trainer's), or ``torch.distributed.run``
    with --max-restarts 0 (--no-in-job). Launcher facts (failed rank, exit code/signal, restart
-   count, restart duration) go to the control plane as events with source "launcher".
+   count, restart duration) go to the control plane as events with source "launcher". A failure whose
+   ``--failure-policy`` rule says stop, stop_keep or restart_job is not restarted in-job (exit 4 for the
+   stops, so the control plane does not relaunch; the control plane relaunches for restart_job).
 4. SIGTERM/SIGINT stop the workers (torchelastic's handlers) and whatever is left of this process's
    tree is terminated before exiting: no orphans. Exit 0 when training succeeded, nonzero otherwise.
 """
@@ -29,6 +31,7 @@ What it does, in order:
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import platform
@@ -42,10 +45,11 @@ import psutil
 
 from trainer import nvrx_compat
 from trainer.config import TrainConfig, parse_config
+from trainer.policy import Action, Decision, Facts, PolicyError, Rule, parse_rules, signal_name, stops_in_job
 from trainer.reporter import Reporter, make_reporter
 from trainer.runtime import (ENV_APP_STORE_PORT, ENV_IN_JOB, ENV_STORE_HOST, ENV_WRAPPER_STORE_PORT,
-                             host_store, take_fault)
-from trainer.wire import CycleMark, EventKind, FaultClass, Layer, cycle_key
+                             host_store, read_hang_stack, take_fault)
+from trainer.wire import MAX_EVIDENCE_CHARS, CycleMark, EventKind, FaultClass, Layer, cycle_key, redact
 
 log = logging.getLogger("trainer.launch")
 
@@ -74,11 +78,15 @@ def build_parser() -> argparse.ArgumentParser:
     a("--workdir", default=None, help="run the user's code in this directory")
     a("--node-agent", action="store_true",
       help="relay the node's ranks' reports through one node agent (trainer/agent.py)")
+    a("--failure-policy", default="", help="the job's failure-policy rules (JSON, trainer/policy.py): a failure "
+      "whose rule says stop, stop_keep or restart_job is not restarted in-job")
     return p
 
 
 # Exit status of a launch whose user code cannot start (retrying it cannot help); 2 = bad flags.
 EXIT_CANNOT_START = 3
+# Exit status of a launch that a failure-policy rule (stop, stop_keep) ended: the control plane must not relaunch.
+EXIT_POLICY_STOP = 4
 # What a job without an entrypoint runs: the demo model, through the same shim and SDK as users' code.
 BUILTIN_ENTRYPOINT = "trainer.examples.synthetic:train"
 
@@ -110,6 +118,10 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str], TrainConfig]:
         raise ValueError("--max-restarts must be >= 0")
     if ns.max_no_progress_restarts < 0:
         raise ValueError("--max-no-progress-restarts must be >= 0")
+    try:
+        ns.rules = parse_rules(json.loads(ns.failure_policy) if ns.failure_policy else [])
+    except (ValueError, PolicyError) as e:
+        raise ValueError(f"--failure-policy: {e}") from None
     host, _, port_s = ns.rdzv_endpoint.rpartition(":")
     if not host or not port_s.isdigit() or not 0 < int(port_s) < 65534:
         raise ValueError(f"--rdzv-endpoint {ns.rdzv_endpoint!r}: expected HOST:PORT with PORT < 65534")
@@ -191,10 +203,17 @@ class LauncherHooks:
     (aborted) and starts a new round (restarted).
     """
 
-    def __init__(self, *, reporter: Reporter, attempt: int, app_store: Any, in_job: bool):
+    def __init__(self, *, reporter: Reporter, attempt: int, app_store: Any, in_job: bool,
+                 rules: tuple[Rule, ...] = (), run_dir: str = "", step_timeout_s: float = 30.0):
         self.reporter, self.attempt, self.app_store, self.in_job = reporter, attempt, app_store, in_job
+        self.run_dir, self.step_timeout_s = run_dir, step_timeout_s
         self.restarting_cycle: str | None = None
         self.cannot_start = False  # the user's code failed before training started: no more rounds
+        self.rules = rules
+        self._matched = [0] * len(rules)  # failures each rule matched in this launch (rounds)
+        # A rule said this failure is not restarted in-job: no more rounds; the launch fails (EXIT_POLICY_STOP
+        # for stop and stop_keep, so the control plane does not relaunch; status 1 for restart_job, so it does).
+        self.policy: Decision | None = None
         self._reported: set[tuple[int, str]] = set()
 
     def install(self, agent_cls: Any) -> None:
@@ -258,6 +277,13 @@ class LauncherHooks:
                              "local_rank": f.local_rank} for r, f in result.failures.items()}
         desc = ", ".join(f"rank {r}: exit {f['exitcode']}" + (f" ({f['signal']})" if f["signal"] else "")
                          for r, f in sorted(failures.items())) or "no exit (rank monitor reported the group)"
+        decision = self._policy(failures, facts) if remaining > 0 else None
+        if decision is not None:
+            agent._remaining_restarts = remaining = 0
+            self.policy = decision
+            self.reporter.event(EventKind.LAUNCHER, {
+                "message": f"failure policy {decision.why}: not restarting in-job ({desc})",
+                "policy_rule": (decision.rule or 0) + 1, "policy_action": decision.action}, rank=None)
         will_restart = self.in_job and remaining > 0
         self.reporter.event(EventKind.LAUNCHER, {
             "message": f"worker group {result.state.name} in round {round_}: {desc}; "
@@ -275,19 +301,52 @@ class LauncherHooks:
         first = min(failures) if failures else None
         rank = facts.get("rank", first)
         sig = failures.get(first, {}).get("signal") if first is not None else None
-        fault = facts.get("fault") or (FaultClass.PROCESS_KILLED if sig else FaultClass.EXCEPTION)
+        # A rank whose loop stopped beating wrote its stacks (PacedFt) before ft_launcher's timeout ended it.
+        stack = read_hang_stack(self.run_dir, rank, since=detected_at - 2 * self.step_timeout_s - 5) \
+            if self.run_dir and type(rank) is int else ""
+        fault = facts.get("fault") or (FaultClass.HANG if stack else FaultClass.PROCESS_KILLED if sig
+                                       else FaultClass.EXCEPTION)
         cycle = cycle_key(attempt=self.attempt, restart_count=round_ + 1) if will_restart else None
         self.reporter.event(EventKind.FAULT, {
             "fault": fault, "cycle": cycle, "detected_by": "launcher", "rank": rank,
             "interruption": f"exit {failures[first]['exitcode']}" + (f" {sig}" if sig else "") if first is not None
             else result.state.name,
-            "message": _with_traceback(facts.get("message") or desc, facts.get("traceback")),
+            "message": _with_stack(_with_traceback(facts.get("message") or desc, facts.get("traceback")), rank,
+                                   stack),
             **({"step": facts["step"]} if facts.get("step") is not None else {})}, rank=rank)
         if cycle:
             self.restarting_cycle = cycle
             if facts.get("at"):
                 self.mark(cycle, CycleMark.FAULT, at=float(facts["at"]), step=facts.get("step"))
             self.mark(cycle, CycleMark.DETECTED, at=detected_at)
+
+
+    def _policy(self, failures: dict[int, dict], facts: dict) -> Decision | None:
+        """The written rule that says this round's failure must not be restarted in-job
+        (``policy.stops_in_job``, the control plane's own decision function), counting each rule's matches
+        over the launch's rounds."""
+        if not self.rules:
+            return None
+        cases = [Facts(fault_class=facts.get("fault") or (FaultClass.PROCESS_KILLED if f["signal"]
+                                                            else FaultClass.EXCEPTION),
+                       exit_code=f["exitcode"] if (f["exitcode"] or 0) > 0 else None,
+                       signal=signal_name(f["signal"]) if f["signal"] else None,
+                       text=str(facts.get("message") or "")) for f in failures.values()]
+        for i, rule in enumerate(self.rules):
+            if any(rule.match.matches(c) for c in cases):
+                self._matched[i] += 1
+        for c in cases:
+            d = stops_in_job(self.rules, c, self._matched)
+            if d is not None:
+                return d
+        return None
+
+
+def _with_stack(message: str, rank: Any, stack: str) -> str:
+    if not stack:
+        return message
+    return redact(f"{message[:1000]}\n\nStacks of rank {rank}'s threads when its heartbeats stopped "
+                  f"(faulthandler, most recent call first; ft_launcher then ended it):\n{stack}")[:MAX_EVIDENCE_CHARS]
 
 
 def _with_traceback(message: str, tb: str | None) -> str:
@@ -381,7 +440,8 @@ def main(argv: list[str] | None = None) -> int:
                              source=f"launcher:{ns.node_rank}" if ns.nnodes > 1 else "launcher", rank=None,
                              spool_dir=cfg.spool_dir, interval_s=cfg.report_interval,
                              agent_url=agent.url if agent is not None else "")
-    hooks = LauncherHooks(reporter=reporter, attempt=cfg.attempt, app_store=app_store, in_job=ns.in_job)
+    hooks = LauncherHooks(reporter=reporter, attempt=cfg.attempt, app_store=app_store, in_job=ns.in_job,
+                          rules=ns.rules, run_dir=cfg.run_dir, step_timeout_s=cfg.step_timeout)
     problem = check_entrypoint(ns.entrypoint) if ns.entrypoint is not None and ns.node_rank == 0 else ""
     if problem:
         log.error("cannot start %s: %s", ns.entrypoint, problem)
@@ -431,6 +491,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if hooks.cannot_start:
             rc = EXIT_CANNOT_START
+        elif hooks.policy is not None:  # ft_launcher may return normally after the group it gave up on
+            rc = EXIT_POLICY_STOP if hooks.policy.action != Action.RESTART_JOB else (rc or 1)
         sweep_children(spare=agent.pid if agent is not None else None)
         reporter.event(EventKind.LAUNCHER, {
             "message": f"launcher exiting with status {rc} after {time.monotonic() - t0:.1f} s",

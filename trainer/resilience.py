@@ -14,6 +14,7 @@ annotation object.
 """
 
 import contextlib
+import faulthandler
 import datetime
 import logging
 import os
@@ -90,10 +91,18 @@ class PacedFt:
     IPC round trip to the rank monitor on the step), and the thread sends a heartbeat every
     ``period_s`` when there was progress since the last one, or while ``keep_alive`` holds the rank
     alive through a slow phase. A hung loop marks nothing, so the heartbeats stop as they would if the
-    loop sent them itself (detection is at most ``period_s`` later)."""
+    loop sent them itself (detection is at most ``period_s`` later).
 
-    def __init__(self, client: FtClient, period_s: float = 0.5):
+    ``stack_file``: a hang that only ft_launcher catches has no in-process layer to take the hung rank's
+    stack, and ft_launcher kills it with SIGKILL. So each heartbeat sent re-arms ``faulthandler``'s
+    watchdog (``dump_traceback_later``, C-level: it writes every thread's stack even while the main thread
+    is stuck in a C call holding the GIL) to write the stacks to that file ``dump_after_s`` after the last
+    heartbeat, before ft_launcher's timeout ends the rank; the launcher's hooks attach it to the fault."""
+
+    def __init__(self, client: FtClient, period_s: float = 0.5, *, stack_file: Any = None,
+                 dump_after_s: float = 0.0):
         self._client, self.period_s = client, period_s
+        self._stack_file, self._dump_after_s = stack_file, dump_after_s
         self._lock = threading.Lock()
         self._progress = 0
         self._sent = 0
@@ -117,6 +126,8 @@ class PacedFt:
 
     def stop(self) -> None:
         self._stop.set()
+        if self._stack_file is not None:
+            faulthandler.cancel_dump_traceback_later()
         with self._lock:
             self._client.stop()
 
@@ -131,6 +142,10 @@ class PacedFt:
             with self._lock:
                 with contextlib.suppress(Exception):
                     self._client.heartbeat()
+            if self._stack_file is not None and not self._stop.is_set():
+                self._stack_file.seek(0)
+                self._stack_file.truncate()  # the file holds the latest hang's stacks only
+                faulthandler.dump_traceback_later(self._dump_after_s, file=self._stack_file)
 
 
 # -- in-process: NVRx Wrapper and its hooks -------------------------------------------------------------

@@ -90,6 +90,24 @@ def connect_store(env: RankEnv, port: int, timeout_s: float = 300.0) -> dist.TCP
                          timeout=datetime.timedelta(seconds=timeout_s))
 
 
+def hang_stack_path(run_dir: str, rank: int) -> str:
+    """Where a rank's faulthandler writes its threads' stacks when its loop stops beating (``PacedFt``)."""
+    return os.path.join(run_dir, f"hang-stack-r{rank}.txt")
+
+
+def read_hang_stack(run_dir: str, rank: int, *, since: float, max_chars: int = 2800) -> str:
+    """The stacks a hung rank wrote at or after ``since`` (unix seconds), capped; "" when none."""
+    path = hang_stack_path(run_dir, rank)
+    try:
+        if os.path.getmtime(path) < since:
+            return ""
+        with open(path, encoding="utf-8", errors="replace") as f:
+            text = f.read().strip()
+    except OSError:
+        return ""
+    return text if len(text) <= max_chars else text[:max_chars] + "\n..."
+
+
 def fault_key(restart_count: int) -> str:
     return f"unbroken/fault/ij{restart_count}"
 

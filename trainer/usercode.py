@@ -37,7 +37,7 @@ from trainer.config import TrainConfig
 from trainer.control import EXIT_RESTART_IN_JOB, CommandInbox, Drills, ack_event
 from trainer.straggler import BusyClock
 from trainer.reporter import Reporter, make_reporter
-from trainer.runtime import RankEnv, connect_store, fault_key, record_fault_facts
+from trainer.runtime import RankEnv, connect_store, fault_key, hang_stack_path, record_fault_facts
 from trainer.wire import (CommandKind, CycleMark, DrillFault, EventKind, FaultClass, Layer, Phase, cycle_key,
                           redact)
 
@@ -420,7 +420,11 @@ class UserRun:
             from trainer.resilience import FtClient, PacedFt
 
             try:
-                self.ft = PacedFt(FtClient())
+                # A hung loop's stack, written before ft_launcher's heartbeat timeout kills the rank.
+                path = hang_stack_path(self.cfg.run_dir, self.rank)
+                stack = open(path, "w", encoding="utf-8")  # noqa: SIM115 - kept open for faulthandler
+                self.ft = PacedFt(FtClient(), stack_file=stack,
+                                  dump_after_s=max(0.5, 0.75 * self.cfg.step_timeout))
                 self.ft.start()
             except Exception:
                 log.warning("ft_launcher heartbeats unavailable", exc_info=True)

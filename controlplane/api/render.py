@@ -150,4 +150,5 @@ def evidence(ev) -> schema.Evidence:
         summary=ev.summary, exception_type=ev.exception_type, exception_message=ev.exception_message,
         frames=[schema.Frame(file=f.file, line=f.line, function=f.function, code=f.code) for f in ev.frames],
         signal=ev.signal, exit_code=ev.exit_code, phase=ev.phase, step=ev.step, log=ev.log, log_why=ev.log_why,
+        reason=ev.reason, termination_message=ev.termination_message,
     )

@@ -264,8 +264,13 @@ class Evidence(Struct, kw_only=True):
     phase: Annotated[str | None, Meta(description="'checkpoint save' when a save was in flight, else 'training'")]
     step: int | None
     log: Annotated[list[str], Meta(description="the rank's and the launcher's log lines around the fault "
-                                               "(local jobs), secrets redacted")]
+                                               "(local jobs; Kubernetes: the rank's pod while it exists), "
+                                               "secrets redacted")]
     log_why: str | None
+    reason: Annotated[str | None, Meta(description="Kubernetes: the container's termination reason, e.g. "
+                                                   "OOMKilled, Error")] = None
+    termination_message: Annotated[str | None, Meta(description="Kubernetes: the container's termination "
+                                                                "message (capped)")] = None
 
 
 class FaultDetail(Struct, kw_only=True):

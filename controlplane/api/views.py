@@ -44,7 +44,7 @@ from controlplane.jobs.models import (
 )
 from controlplane.jobs.spec import JobSpec, SpecError
 from controlplane.launchers import services as launch_services
-from controlplane.launchers.logs import log_tail
+from controlplane.launchers.logs import fault_log, log_tail
 from trainer.wire import CommandKind
 
 
@@ -173,7 +173,7 @@ def job_fault(request: HttpRequest, job_id: int, fault_id: int) -> HttpResponse:
     if f is None:
         raise Refused(404, f"job {job.pk} has no fault {fault_id}")
     nodes = job.rank_nodes()
-    tail = log_tail(job)
+    tail = fault_log(job, f)
     ev = evidence.fault_evidence(f, log_text=tail.text, log_why=tail.why, rank_nodes=nodes)
     return respond(schema.FaultDetail(fault=render.fault(f, nodes), evidence=render.evidence(ev)))
 

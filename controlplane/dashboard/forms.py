@@ -24,6 +24,7 @@ from controlplane.jobs.spec import (
     KubernetesSpec,
     SpecError,
 )
+from trainer.policy import RULE_ACTIONS
 from trainer.wire import DrillFault
 
 K8S_PREFIX = "k8s_"
@@ -120,6 +121,15 @@ class JobForm(forms.Form):
         help_text="one per line: step:fault:rank, fault one of " + ", ".join(f.value for f in DrillFault)
                   + " (slow_rank takes a fourth part, the fraction slower: 60:slow_rank:1:0.3)",
     )
+    failure_policy = forms.CharField(
+        required=False,
+        widget=forms.Textarea(attrs={"rows": 3}),
+        label="Failure policy",
+        help_text='JSON list of rules, first match decides; empty = each layer\'s default. E.g. '
+                  '[{"match": {"class": "nan_loss"}, "action": "stop", "after": 2}, '
+                  '{"match": {"exit_code": 93}, "action": "stop"}]. Actions: '
+                  + ", ".join(a.value for a in RULE_ACTIONS),
+    )
     notify_webhook_url = forms.URLField(
         required=False, assume_scheme="https", label="Webhook URL (notifications)"
     )
@@ -154,7 +164,8 @@ class JobForm(forms.Form):
         help_text='optional, as on a command line; it must exec its arguments, e.g. '
                   'bash -c \'source /opt/env.sh && exec "$@"\' --')
 
-    SPEC_FIELDS = tuple(f.name for f in dc_fields(JobSpec) if f.name not in ("drills", "kubernetes", "args", "env"))
+    SPEC_FIELDS = tuple(f.name for f in dc_fields(JobSpec) if f.name not in ("drills", "kubernetes", "args", "env",
+                                                                                  "failure_policy"))
     K8S_FIELDS = tuple(f.name for f in dc_fields(KubernetesSpec))
 
     @classmethod
@@ -164,6 +175,8 @@ class JobForm(forms.Form):
         data["drills"] = "\n".join(d.as_flag() for d in spec.drills)
         data["args"] = shlex.join(spec.args)
         data["env"] = "\n".join(f"{k}={v}" for k, v in spec.env.items())
+        data["failure_policy"] = (json.dumps([r.to_dict() for r in spec.failure_policy])
+                                  if spec.failure_policy else "")
         k8s = spec.kubernetes or KubernetesSpec()
         for k in cls.K8S_FIELDS:
             v = getattr(k8s, k)
@@ -186,7 +199,8 @@ class JobForm(forms.Form):
             self.spec = JobSpec.from_dict(self._spec_dict(cleaned))
         except SpecError as e:
             for key, msg in e.errors.items():
-                self.add_error(self.field_for(key), msg)
+                field = self.field_for(key)
+                self.add_error(field, f"{key}: {msg}" if key.startswith("failure_policy[") else msg)
         return cleaned
 
     def _spec_dict(self, c: dict) -> dict:
@@ -218,6 +232,11 @@ class JobForm(forms.Form):
                 a, b = line.split("=", 1)
                 env[a.strip()] = b
         data["env"] = env
+        text = (c.get("failure_policy") or "").strip()
+        try:
+            data["failure_policy"] = json.loads(text) if text else []
+        except json.JSONDecodeError as e:
+            raise SpecError({"failure_policy": f"not valid JSON: {e.msg} (line {e.lineno})"}) from None
         if c["backend"] == "kubernetes":
             k8s = {}
             for k in self.K8S_FIELDS:
@@ -254,6 +273,8 @@ class JobForm(forms.Form):
         """The form field of a spec key (kubernetes.image: k8s_image); None for the form as a whole."""
         if key.startswith("drills"):
             return "drills"
+        if key.startswith("failure_policy"):
+            return "failure_policy"
         if key.startswith("kubernetes."):
             name = K8S_PREFIX + key.split(".", 1)[1]
             return name if name in self.fields else None

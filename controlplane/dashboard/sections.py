@@ -18,7 +18,8 @@ from controlplane.dashboard import charts
 from controlplane.dashboard.timeline_figure import timeline_figure
 from controlplane.dashboard.outage_band import add_outage_bands
 from controlplane.dashboard.timeline import STRAGGLER, Span, job_spans, rank_spans, ts
-from controlplane.jobs import figures, health, outages
+from controlplane.jobs import figures, health, outages, policy
+from controlplane.jobs.policy import POLICY_EVENT
 from controlplane.jobs.goodput import PARTS, Epoch
 from controlplane.jobs.heartbeats import Timeouts
 from controlplane.jobs.stragglers import STRAGGLER_EVENT, straggler_spans
@@ -36,6 +37,7 @@ from controlplane.jobs.models import (
     TrainingSample,
 )
 from controlplane.launchers.logs import log_tail
+from trainer.policy import ACTION_WORDS
 from trainer.wire import CheckpointState, Layer, redact
 
 FOLLOW_WINDOW_S = 600.0
@@ -90,6 +92,7 @@ def job_signatures(job: Job, now: datetime) -> dict[str, str]:
     aud = AuditEntry.objects.filter(job=job).aggregate(m=Max("id"))
     band = Outage.objects.filter(component__in=Outage.GRACE).aggregate(n=Count("id"), e=Count("ended_at"))
     qua = QuarantinedHeartbeat.objects.filter(job=job).aggregate(n=Count("id"), at=Max("at"))
+    pol = Event.objects.filter(job=job, kind=POLICY_EVENT).aggregate(n=Count("id"), m=Max("id"))
     status = (
         job.status,
         job.status_reason,
@@ -104,10 +107,11 @@ def job_signatures(job: Job, now: datetime) -> dict[str, str]:
     tick = int(now.timestamp() // 5) if job.is_active else 0
     return {
         "header": _sig(status, job.last_step, tick),
-        "actions": _sig(job.is_active),
-        "timeline": _sig(status, cyc_s, flt_s, ck_s, rank_health, tuple(cmd.values()), tuple(band.values())),
+        "actions": _sig(job.is_active, bool((job.launcher_state or {}).get("held"))),
+        "timeline": _sig(status, cyc_s, flt_s, ck_s, rank_health, tuple(cmd.values()), tuple(band.values()),
+                         tuple(pol.values())),
         "checkpoints": _sig(ck_s),
-        "faults": _sig(flt_s, cyc_s),
+        "faults": _sig(flt_s, cyc_s, status, job.last_progress_at, tuple(pol.values())),
         "goodput": _sig(status, cyc_s, ck_s, job.last_step, tick),
         "ranks": _sig(tuple(rk.values()), tuple(qua.values())),
         "progress": _sig(ck_s, cyc_s, tick),
@@ -314,12 +318,19 @@ def timeline_part(
             "issued_by"
         )
     ]
+    decisions = [
+        {"at": at, "rule": (d or {}).get("rule"), "subject": (d or {}).get("subject", ""),
+         "why": (d or {}).get("why", ""), "words": ACTION_WORDS.get((d or {}).get("action"), "")}
+        for at, d in Event.objects.filter(job=job, kind=POLICY_EVENT, at__gte=lo, at__lte=hi)
+        .order_by("at", "id").values_list(Epoch("at"), "data")[:2000]
+    ]
     fig = timeline_figure(
         lanes=lanes,
         spans=spans,
         faults=faults,
         cycles=cycles,
         commands=commands,
+        decisions=decisions,
         t0=t0,
         t1=t1,
         now=now.timestamp(),
@@ -438,7 +449,10 @@ def faults_part(job: Job, params) -> dict:
             }
         )
     classes = sorted(set(Fault.objects.filter(job=job).values_list("fault_class", flat=True).distinct()))
+    spec = job.job_spec
     return {
+        "next": policy.what_next(job),
+        "rules": [f"{i + 1}. {r.words()}" for i, r in enumerate(spec.failure_policy)],
         "page": page,
         "rows": rows,
         "chosen": chosen,

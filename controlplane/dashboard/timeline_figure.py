@@ -136,6 +136,7 @@ def timeline_figure(
     faults: list[dict],
     cycles: list[dict],
     commands: list[dict],
+    decisions: list[dict] = (),
     t0: float,
     t1: float,
     now: float,
@@ -289,6 +290,23 @@ def timeline_figure(
                 "y": [0] * len(cmds),
                 "marker": {"symbol": "triangle-down", "size": 11, "color": "#333"},
                 "customdata": [f"<b>{c['summary']}</b><br>by {c['by']} · {c['status']}" for c in cmds],
+                "hovertemplate": "%{customdata}<extra></extra>",
+            }
+        )
+
+    picked = [d for d in decisions if t0 <= d["at"] <= t1]
+    if picked:
+        traces.append(
+            {
+                "type": "scatter",
+                "mode": "markers",
+                "name": "policy decision",
+                "legendgroup": "policy",
+                "x": [ms(d["at"]) for d in picked],
+                "y": [0] * len(picked),
+                "marker": {"symbol": "diamond", "size": 9, "color": [
+                    "#b07aa1" if d["rule"] else "#bab0ac" for d in picked]},
+                "customdata": [f"<b>{d['subject']}: {d['words']}</b><br>{d['why']}" for d in picked],
                 "hovertemplate": "%{customdata}<extra></extra>",
             }
         )

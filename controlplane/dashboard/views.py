@@ -188,10 +188,10 @@ def fault_detail(request, job_id: int, fault_id: int):
     """One fault: its summary sentence and everything that proves it (``jobs/evidence.py``)."""
     from controlplane.jobs import evidence
     from controlplane.jobs.models import Fault
-    from controlplane.launchers.logs import log_tail
+    from controlplane.launchers.logs import fault_log
 
     job = get_object_or_404(Job, pk=job_id)
     fault = get_object_or_404(Fault.objects.select_related("cycle"), job=job, pk=fault_id)
-    tail = log_tail(job)
+    tail = fault_log(job, fault)
     ev = evidence.fault_evidence(fault, log_text=tail.text, log_why=tail.why, rank_nodes=job.rank_nodes())
     return render(request, "dashboard/fault.html", {"job": job, "f": fault, "ev": ev})

@@ -27,6 +27,11 @@ _FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<fn>
 _EXC = re.compile(r"^(?P<type>[A-Za-z_][\w.]*(?:Error|Exception|Interrupt|Exit|Warning|[A-Z]\w*))(?::\s?(?P<msg>.*))?$")
 _SIGNAL = re.compile(r"\b(SIG[A-Z0-9]+)\b")
 _EXIT = re.compile(r"\bexit(?: code| status)? (-?\d+)\b")
+# How the launchers word an exit status in a fault's message ("exited with code 93", "exit code 93").
+_EXIT_SAID = re.compile(r"\bexit(?:ed with)?(?: code| status) (-?\d+)\b")
+# A Kubernetes container's end, as ``launchers.pods.termination_detail`` words it in a fault's message.
+_TERMINATED = re.compile(r"^container \S+ terminated: reason (?P<reason>\S+), exit code (?P<code>-?\d+)"
+                         r"(?:, signal \d+)?$", re.M)
 # The launcher's and the ranks' log format: "2026-12-03 15:41:37,123 r1 INFO name: message".
 _LOG_LINE = re.compile(r"^(?P<ts>\d{4}-\d{2}-\d{2} \d{2}:\d{2}:\d{2}),(?P<ms>\d{3}) (?P<who>\S+) ")
 
@@ -71,6 +76,9 @@ class Evidence:
     step: int | None = None
     log: list[str] = field(default_factory=list)  # the rank's lines around the fault's time
     log_why: str | None = None  # why there are none
+    # Kubernetes: the container's termination reason (OOMKilled, Error, ...) and message, as the kubelet kept them
+    reason: str | None = None
+    termination_message: str | None = None
 
 
 def parse_traceback(text: str) -> tuple[str | None, str | None, list[Frame]]:
@@ -93,20 +101,21 @@ def parse_traceback(text: str) -> tuple[str | None, str | None, list[Frame]]:
 
 
 def log_lines(text: str | None, *, rank: int | None, at: datetime, until: datetime | None = None) -> list[str]:
-    """The lines of ``rank`` (and of the launcher) from ``LOG_BEFORE_S`` before ``at`` to ``LOG_AFTER_S`` after
-    ``until`` (its detection; default ``at``), with the untimed lines that follow one of them (a traceback,
-    the stack of a hung rank's main thread that the in-process layer logs at abort)."""
+    """The lines of ``rank`` (and of the launcher; every rank's for a fault of no one rank, such as a pod's
+    or the launcher's own) from ``LOG_BEFORE_S`` before ``at`` to ``LOG_AFTER_S`` after ``until`` (its
+    detection; default ``at``), with the untimed lines that follow one of them (a traceback, the stack of a
+    hung rank's main thread that the in-process layer logs at abort)."""
     if not text:
         return []
     lo, hi = at.timestamp() - LOG_BEFORE_S, max(at, until or at).timestamp() + LOG_AFTER_S
-    wanted = {"launcher", f"r{rank}"} if rank is not None else {"launcher"}
+    wanted = {"launcher", f"r{rank}"} if rank is not None else None
     out: list[str] = []
     keep = False
     for line in text.splitlines():
         m = _LOG_LINE.match(line)
         if m:
             t = datetime.strptime(m["ts"], "%Y-%m-%d %H:%M:%S").timestamp() + int(m["ms"]) / 1000  # local time
-            keep = lo <= t <= hi and m["who"] in wanted
+            keep = lo <= t <= hi and (wanted is None or m["who"] in wanted)
         if keep:
             out.append(redact(line[:500]))
     return out[-MAX_LOG_LINES:]
@@ -118,20 +127,42 @@ def fault_evidence(f: Fault, *, log_text: str | None = None, log_why: str | None
     fig = figures.fault_figures(f, rank_nodes=rank_nodes)
     message = redact(f.message or "")
     exc_type, exc_msg, frames = parse_traceback(message)
-    data: dict = {}
-    if f.source_key.startswith("event:"):
-        data = (Event.objects.filter(job_id=f.job_id, event_id=f.source_key[6:]).values_list("data", flat=True)
-                .first()) or {}
-    said = f"{data.get('interruption') or ''} {message}"
-    sig = _SIGNAL.search(said)
-    code = _EXIT.search(str(data.get("interruption") or ""))
+    data = fault_data(f)
+    sig, code = kill_facts(f, data, message=message)
+    term = _TERMINATED.search(message)
+    if term is not None and code is None:
+        code = int(term["code"])
     step = data.get("step") if type(data.get("step")) is int else (f.cycle.step_at_fault if f.cycle else None)
     saving = Checkpoint.objects.filter(job_id=f.job_id, started_at__lte=f.at).exclude(finished_at__lt=f.at).exists()
     ev = Evidence(summary="", message=message, exception_type=exc_type, exception_message=exc_msg, frames=frames,
-                  signal=sig.group(1) if sig else None, exit_code=int(code.group(1)) if code else None,
+                  signal=sig, exit_code=code,
                   phase="checkpoint save" if saving else ("training" if step is not None else None), step=step,
-                  log=log_lines(log_text, rank=f.rank, at=f.at, until=f.detected_at), log_why=log_why)
+                  log=log_lines(log_text, rank=f.rank, at=f.at, until=f.detected_at), log_why=log_why,
+                  reason=term["reason"] if term else None,
+                  termination_message=(message[term.end():].strip() or None) if term else None)
     return Evidence(**{**{k: getattr(ev, k) for k in Evidence.__slots__}, "summary": summary(f, fig, ev)})
+
+
+def fault_data(f: Fault) -> dict:
+    """The data of the trainer's fault event that recorded ``f`` (empty for the watchdog's and launcher's)."""
+    if not f.source_key.startswith("event:"):
+        return {}
+    return (Event.objects.filter(job_id=f.job_id, event_id=f.source_key[6:]).values_list("data", flat=True)
+            .first()) or {}
+
+
+def kill_facts(f: Fault, data: dict, *, message: str | None = None,
+               from_message: bool = False) -> tuple[str | None, int | None]:
+    """(signal name, exit code) of a fault: the signal from its interruption or message, the exit code
+    from its interruption (ft_launcher's "exit 93"), and with ``from_message`` also from how the launchers
+    word it in the message ("exited with code 93", "exit code 137 (SIGKILL)")."""
+    message = (f.message or "") if message is None else message
+    said = f"{data.get('interruption') or ''} {message}"
+    sig = _SIGNAL.search(said)
+    code = _EXIT.search(str(data.get("interruption") or ""))
+    if code is None and from_message:
+        code = _EXIT_SAID.search(message)
+    return (sig.group(1) if sig else None), (int(code.group(1)) if code else None)
 
 
 def summary(f: Fault, fig: figures.FaultFigures, ev: Evidence) -> str:

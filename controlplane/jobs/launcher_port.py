@@ -18,8 +18,8 @@ from django.dispatch import Signal
 
 log = logging.getLogger(__name__)
 
-# Sent after commit with: action ("launch" | "stop" | "restart"), job_id, command_id (or None),
-# countdown (seconds the launcher waits before acting: the trainer's grace period for a stop).
+# Sent after commit with: action ("launch" | "stop" | "restart" | "hold": keep for debugging), job_id,
+# command_id (or None), countdown (seconds the launcher waits before acting: the trainer's grace period for a stop).
 launcher_requested = Signal()
 
 # A graceful stop: the trainer gets the stop command, saves a final checkpoint and exits; the launcher

@@ -325,10 +325,13 @@ class Fault(models.Model):
     lost_steps = models.IntegerField(null=True, blank=True)
     # Idempotency: the event id (trainer) or a claim key (watchdog, launcher) that produced this fault.
     source_key = models.CharField(max_length=100)
+    # When the failure policy decided this fault (``jobs.policy``: claimed by a conditional UPDATE).
+    policy_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:
         constraints = [models.UniqueConstraint(fields=["job", "source_key"], name="uniq_fault_source")]
-        indexes = [models.Index(fields=["job", "at"])]
+        indexes = [models.Index(fields=["job", "at"]),
+                   models.Index(fields=["job"], name="fault_policy_open", condition=models.Q(policy_at__isnull=True))]
         ordering = ["-at", "-id"]
 
     @property
@@ -417,6 +420,7 @@ class Notification(models.Model):
         STALLED = "stalled"
         STORM = "storm"
         RECOVERED = "recovered"
+        POLICY = "policy"  # a failure-policy rule with the notify action fired
 
     class Channel(models.TextChoices):
         WEBHOOK = "webhook"

@@ -140,12 +140,30 @@ def inject_fault(*, job: Job, fault: str, rank: int, requested_by, remote_addr: 
 def stop_job(*, job: Job, requested_by, remote_addr: str | None = None,
              grace_s: float = launcher_port.TRAINER_STOP_GRACE_S) -> Command:
     """Graceful stop: the trainer saves a final checkpoint and exits; the launcher ends what is left
-    after ``grace_s``."""
+    after ``grace_s``. A failed job whose processes or pods a failure policy kept for debugging
+    (``launcher_state["held"]``) is released at once."""
+    if not job.is_active and (job.launcher_state or {}).get("held"):
+        with transaction.atomic():
+            cmd = Command.objects.create(job=job, kind=CommandKind.STOP, via_trainer=False,
+                                         issued_by=requested_by if requested_by and requested_by.is_authenticated
+                                         else None, detail="release the processes kept for debugging")
+            record_audit(actor=requested_by, action="job.stop", job=job, remote_addr=remote_addr,
+                         detail={"command": cmd.pk, "released": True})
+            launcher_port.request("stop", job_id=job.pk, command_id=cmd.pk)
+        return cmd
     if not job.is_active:
         raise ActionError(f"job #{job.pk} is already {job.status}")
     cmd = _trainer_command(job=job, kind=CommandKind.STOP, actor=requested_by, remote_addr=remote_addr)
     launcher_port.request("stop", job_id=job.pk, command_id=cmd.pk, countdown=grace_s)
     return cmd
+
+
+def request_stop(job_id: int, *, reason: str) -> None:
+    """Ask the launcher to end the job's processes: a stop command row (its outbox, carried out even if the
+    nudge is lost) written in the caller's transaction, and a nudge once it commits."""
+    cmd = Command.objects.create(job_id=job_id, kind=CommandKind.STOP, via_trainer=False,
+                                 detail=reason[:2000])
+    launcher_port.request("stop", job_id=job_id, command_id=cmd.pk)
 
 
 def freshest_step(job: Job) -> int:

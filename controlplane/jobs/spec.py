@@ -10,6 +10,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from trainer.policy import PolicyError, Rule, parse_rules
 from trainer.wire import DrillFault
 
 PRESETS = ("tiny", "small", "1b")
@@ -144,6 +145,9 @@ class JobSpec:
     # interval; the ranks post directly when it is away.
     node_agent: bool = False
     drills: tuple[Drill, ...] = ()
+    # Rules from a fault (class, exit code, signal, pod reason) to an action; none: each layer's default.
+    # See trainer/policy.py and the README, "Failure policies".
+    failure_policy: tuple[Rule, ...] = ()
     kubernetes: KubernetesSpec | None = None
     # The user's own training code ("" = the built-in example model, ``preset``). See the README,
     # "Bring your own training script".
@@ -187,6 +191,11 @@ class JobSpec:
         if self.kubernetes is not None and not _DNS_LABEL.match(self.kubernetes.namespace or ""):
             errors["kubernetes.namespace"] = "must be a DNS label (lowercase letters, digits, '-')"
         errors.update(self._user_code_errors())
+        try:
+            parse_rules(list(self.failure_policy), in_process=self.in_process, in_job=self.in_job,
+                        job_restart=self.job_restart)
+        except PolicyError as e:
+            errors.update(e.errors)
         for i, d in enumerate(self.drills):
             if d.fault not in DrillFault.__members__.values():
                 errors[f"drills[{i}].fault"] = f"must be one of {', '.join(f.value for f in DrillFault)}"
@@ -255,17 +264,23 @@ class JobSpec:
                 kwargs["drills"] = tuple(Drill(**d) if isinstance(d, dict) else d for d in kwargs["drills"] or ())
             if isinstance(kwargs.get("kubernetes"), dict):
                 kwargs["kubernetes"] = KubernetesSpec(**kwargs["kubernetes"])
+            if "failure_policy" in kwargs:
+                kwargs["failure_policy"] = parse_rules(kwargs["failure_policy"])
             if isinstance(kwargs.get("args"), list):
                 kwargs["args"] = tuple(kwargs["args"])
             if kwargs.get("entrypoint") and "in_process" not in kwargs:
                 kwargs["in_process"] = False  # re-enters only an SDK entrypoint function: opt in
+        except PolicyError as e:
+            raise SpecError(e.errors) from None
         except TypeError as e:
             raise SpecError({"drills" if "Drill" in str(e) else "kubernetes": str(e)}) from None
         _check_types(cls, kwargs)
         return cls(**kwargs)
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        out = dataclasses.asdict(self)
+        out["failure_policy"] = [r.to_dict() for r in self.failure_policy]
+        return out
 
 
 def _check_types(cls: type, kwargs: dict[str, Any]) -> None:

@@ -17,7 +17,7 @@ from datetime import datetime
 
 from django.db import connection, transaction
 
-from controlplane.jobs import figures, health
+from controlplane.jobs import figures, health, policy
 from controlplane.jobs.models import ACTIVE_STATUSES, Event, Job, Rank
 
 log = logging.getLogger(__name__)
@@ -55,6 +55,8 @@ def _mark_job(job: Job, now: datetime) -> int:
             + [Event(job=job, event_id=f"straggler-{r}-c-{stamp}", kind=STRAGGLER_EVENT, rank=r, at=now,
                      source="watchdog", data={"state": "cleared"}) for r in cleared],
             ignore_conflicts=True)
+        for r in claimed:  # a written failure-policy rule for stragglers (notify, restart in-job) acts
+            policy.apply_to_straggler(job, r, slow[r], now)
     for r in claimed:
         log.info("job %s: rank %s is a straggler (%.1f %% slower than the others' median)", job.pk, r, slow[r])
     return len(claimed) + len(cleared)

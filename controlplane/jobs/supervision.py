@@ -12,25 +12,23 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 from django.db import connection, transaction
-from django.db.models import Count, F, Q
-from django.db.models.functions import Coalesce
+from django.db.models import Count
 from django.utils import timezone
 
 from controlplane.jobs import heartbeats as hb_store
-from controlplane.jobs import health, launcher_port, notifications, outages, stragglers
+from controlplane.jobs import health, notifications, outages, policy, stragglers
 from controlplane.jobs.models import (
     ACTIVE_STATUSES,
-    Command,
     Fault,
     Job,
     JobStatus,
     Notification,
     Rank,
     RankHealth,
-    RestartCycle,
 )
-from controlplane.jobs.services import set_status
-from trainer.wire import CommandKind, FaultClass
+from controlplane.jobs.services import request_stop, set_status
+from trainer.policy import Action, Decision
+from trainer.wire import FaultClass
 
 log = logging.getLogger(__name__)
 _CHUNK = 900  # ranks per claim statement (SQLite's variable limit is far above; keeps statements short)
@@ -42,6 +40,7 @@ class WatchdogResult:
     stalled: int = 0
     storms: int = 0
     stragglers: int = 0
+    policies: int = 0
 
 
 def run_watchdog(now: datetime | None = None, *, store: hb_store.HeartbeatStore | None = None) -> WatchdogResult:
@@ -56,7 +55,8 @@ def run_watchdog(now: datetime | None = None, *, store: hb_store.HeartbeatStore 
         log.exception("watchdog: recording the control plane's outages failed")
     for name, check in (("lost", lambda: mark_overdue(now, store=store)), ("stalled", lambda: mark_stalled(now)),
                         ("storms", lambda: stop_storms(now)),
-                        ("stragglers", lambda: stragglers.mark_stragglers(now))):
+                        ("stragglers", lambda: stragglers.mark_stragglers(now)),
+                        ("policies", lambda: policy.apply_policies(now))):
         try:
             setattr(result, name, check())
         except Exception:
@@ -242,11 +242,7 @@ def stop_storms(now: datetime | None = None) -> int:
     ``max_step`` last grew): fail the job with a reason and ask the launcher to stop it. Returns the
     number of jobs stopped."""
     now = now or timezone.now()
-    start = Coalesce("fault_at", "detected_at", "aborted_at", "restarted_at", "checkpoint_loaded_at", "first_step_at")
-    counts = (RestartCycle.objects.filter(job__status__in=(JobStatus.RUNNING, JobStatus.RECOVERING))
-              .annotate(start=start)
-              .filter(start__isnull=False)
-              .filter(Q(job__last_progress_at__isnull=True) | Q(start__gt=F("job__last_progress_at")))
+    counts = (policy.storm_cycles().filter(job__status__in=(JobStatus.RUNNING, JobStatus.RECOVERING))
               .values("job").annotate(n=Count("id")).values_list("job", "n"))
     stopped = 0
     for job_id, count in counts:
@@ -269,17 +265,12 @@ def _stop_storm(job_id: int, count: int, now: datetime) -> int:
             return 0
         notifications.enqueue(job, Notification.Transition.STORM, "storm",
                               f"Job #{job.pk} {job.name} stopped: {reason}.", now=now)
+        policy.record(job, Decision(Action.STOP, None, f"default: {reason}"), key=f"storm-{job.attempt}",
+                      subject="restart storm", rank=None, now=now)
         request_stop(job.pk, reason=reason)
     log.error("job %s: %s", job.pk, reason)
     return 1
 
-
-def request_stop(job_id: int, *, reason: str) -> None:
-    """Ask the launcher to end the job's processes: a stop command row (its outbox, carried out even if the
-    nudge is lost) written in the caller's transaction, and a nudge once it commits."""
-    cmd = Command.objects.create(job_id=job_id, kind=CommandKind.STOP, via_trainer=False,
-                                 detail=reason[:2000])
-    launcher_port.request("stop", job_id=job_id, command_id=cmd.pk)
 
 
 __all__ = ["ACTIVE_STATUSES", "WatchdogResult", "mark_overdue", "mark_stalled", "request_stop", "run_watchdog",

@@ -61,9 +61,15 @@ class Launcher(Protocol):
         """Stop everything of this job; idempotent; returns when nothing is left."""
         ...
 
+    def hold(self, job: Job) -> str:
+        """Keep the job's processes or pods for debugging, without letting them train on (a failure
+        policy's ``stop_keep``); ``stop`` releases them. Returns what was kept, in words."""
+        ...
+
     def poll(self, job: Job) -> PollResult:
         """Where the job's processes or pods are now."""
         ...
 
-    def log_tail(self, job: Job, *, max_bytes: int = 16384) -> str:
+    def log_tail(self, job: Job, *, max_bytes: int = 16384, node_rank: int | None = None) -> str:
+        """The end of the job's log (``node_rank``: of that node's process or pod, where they differ)."""
         ...

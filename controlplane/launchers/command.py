@@ -7,6 +7,8 @@ Pure functions: same spec in, same argv out. ``launch_args`` is what ``python -m
 
 from __future__ import annotations
 
+import json
+
 from controlplane.jobs.spec import JobSpec
 from trainer import nvrx_compat
 
@@ -67,6 +69,8 @@ def launch_args(spec: JobSpec, *, node_rank: int | str, rdzv_endpoint: str, run_
         "--in-job" if spec.in_job else "--no-in-job",
         *(["--max-no-progress-restarts", str(n)] if (n := spec.max_no_progress_restarts) else []),
         *(["--node-agent"] if spec.node_agent else []),
+        *(["--failure-policy", json.dumps([r.to_dict() for r in spec.failure_policy], separators=(",", ":"))]
+          if spec.failure_policy else []),
         "--run-dir", run_dir,
         "--job-id", str(job_id),
         "--attempt", str(attempt),

@@ -30,6 +30,8 @@ from controlplane.launchers.base import LaunchError, PollResult, TransientLaunch
 from controlplane.launchers.command import nvrx_problems
 from controlplane.launchers.pods import needs_events, node_rank, summarize
 
+_pod_node_rank = node_rank  # log_tail's keyword argument shadows the name
+
 log = logging.getLogger(__name__)
 
 TRANSIENT_STATUSES = frozenset({429, 500, 502, 503, 504})
@@ -237,6 +239,17 @@ class KubernetesLauncher:
                        allow=(404,))
         self._wait_gone(names, ops, job_id=job.pk, deadline_s=grace + self.delete_wait_s)
 
+    def hold(self, job: Job) -> str:
+        """Keep the attempt's objects for debugging: nothing is deleted, so failed containers keep their
+        status, termination message and logs, and ``kubectl exec`` reaches running ones. The API offers no
+        way to freeze a running container, so a trainer still running in a pod runs on until Stop."""
+        names = manifests.names_for(job.job_spec, job.pk)
+        pods = self._pods(names, job.pk, job.attempt)
+        running = [p["metadata"]["name"] for p in pods if p.get("status", {}).get("phase") == "Running"]
+        return (f"{names.kind} {names.namespace}/{names.workload} and its {len(pods)} pod(s) kept"
+                + (f" ({len(running)} still running: {', '.join(running[:4])})" if running else "")
+                + "; Stop deletes them")
+
     def _wait_gone(self, names: manifests.Names, ops: dict, *, job_id: int | None, deadline_s: float) -> None:
         deadline = time.monotonic() + deadline_s
         delay = 0.2
@@ -275,11 +288,13 @@ class KubernetesLauncher:
             events = [e for e in got.get("items", []) if e.get("involvedObject", {}).get("name") in wanted]
         return summarize(workload, pods, events, nodes=spec.nodes, procs_per_node=spec.procs_per_node)
 
-    def log_tail(self, job: Job, *, max_bytes: int = 16384) -> str:
-        """The end of the log of the first failed pod, else of node 0."""
+    def log_tail(self, job: Job, *, max_bytes: int = 16384, node_rank: int | None = None) -> str:
+        """The end of the log of ``node_rank``'s pod, else of the first failed pod, else of node 0's."""
         spec = job.job_spec
         names = manifests.names_for(spec, job.pk)
         pods = self._pods(names, job.pk, job.attempt)
+        if node_rank is not None:
+            pods = [p for p in pods if _pod_node_rank(p) == node_rank]
         if not pods:
             return ""
         pod = next((p for p in pods if p.get("status", {}).get("phase") == "Failed"), pods[0])

@@ -30,8 +30,9 @@ from trainer import nvrx_compat
 from trainer.ports import free_port_block
 from trainer.wire import FaultClass
 
-# trainer.launch's exit status for refused flags and for user code that cannot start (trainer/launch.py).
-EXIT_BAD_FLAGS, EXIT_CANNOT_START = 2, 3
+# trainer.launch's exit status for refused flags, for user code that cannot start, and for a failure-policy
+# rule that said stop (trainer/launch.py).
+EXIT_BAD_FLAGS, EXIT_CANNOT_START, EXIT_POLICY_STOP = 2, 3, 4
 
 _SHELL = 'echo $$ > "$UNBROKEN_PID_FILE"; "$@"; echo $? > "$UNBROKEN_EXIT_FILE"'
 
@@ -155,7 +156,7 @@ class LocalLauncher:
             if code == 0:
                 return PollResult(state="succeeded", reason="training finished")
             reason = _exit_reason(code)
-            if code in (EXIT_BAD_FLAGS, EXIT_CANNOT_START):
+            if code in (EXIT_BAD_FLAGS, EXIT_CANNOT_START, EXIT_POLICY_STOP):
                 # The same code and flags fail the same way again: no job-level restart.
                 return PollResult(state="failed", reason=reason, retryable=False)
             fault = LaunchFault(fault_class=FaultClass.PROCESS_KILLED, message=reason,
@@ -168,10 +169,31 @@ class LocalLauncher:
                             source_key=f"lost-a{st.get('attempt', 0)}")
         return PollResult(state="lost", reason=reason, faults=[fault])
 
+    def hold(self, job: Job) -> str:
+        """Freeze every process of the attempt (SIGSTOP to its session's group and to the tagged escapees):
+        memory, stacks and files stay as the fault left them for py-spy or gdb; ``stop`` ends them."""
+        proc = self._process(job)
+        n = 0
+        if proc is not None:
+            try:
+                os.killpg(proc.pid, signal.SIGSTOP)
+                n += 1
+            except ProcessLookupError:
+                pass
+        tag = (job.launcher_state or {}).get("tag")
+        n += _signal_tagged(tag, signal.SIGSTOP) if tag else 0
+        if not n:
+            return "no process was left to keep"
+        return f"processes frozen (SIGSTOP), session {proc.pid if proc else '-'}: attach py-spy or gdb; Stop ends them"
+
     def stop(self, job: Job, *, grace_s: float) -> None:
         st = job.launcher_state or {}
         proc = self._process(job)
         if proc is not None:
+            try:
+                os.killpg(proc.pid, signal.SIGCONT)  # a held (frozen) attempt must see the SIGTERM
+            except ProcessLookupError:
+                pass
             try:
                 os.killpg(proc.pid, signal.SIGTERM)
             except ProcessLookupError:
@@ -187,7 +209,7 @@ class LocalLauncher:
         if tag:
             _kill_tagged(tag)
 
-    def log_tail(self, job: Job, *, max_bytes: int = 16384) -> str:
+    def log_tail(self, job: Job, *, max_bytes: int = 16384, node_rank: int | None = None) -> str:
         path = (job.launcher_state or {}).get("log")
         if not path or not os.path.exists(path):
             return ""
@@ -239,6 +261,11 @@ def _group_alive(pgid: int) -> bool:
 
 def _kill_tagged(tag: str) -> int:
     """SIGKILL every process whose environment carries this launch tag (escaped daemons)."""
+    return _signal_tagged(tag, signal.SIGKILL)
+
+
+def _signal_tagged(tag: str, sig: signal.Signals) -> int:
+    """Send ``sig`` to every process whose environment carries this launch tag."""
     n = 0
     me = os.getpid()
     for p in psutil.process_iter(["pid"]):
@@ -246,7 +273,7 @@ def _kill_tagged(tag: str) -> int:
             continue
         try:
             if p.environ().get("UNBROKEN_LAUNCH_TAG") == tag:
-                p.kill()
+                p.send_signal(sig)
                 n += 1
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             continue
@@ -256,6 +283,8 @@ def _kill_tagged(tag: str) -> int:
 def _exit_reason(code: int) -> str:
     if code == EXIT_CANNOT_START:
         return "the training code failed before training started; its traceback is in the fault table"
+    if code == EXIT_POLICY_STOP:
+        return "a failure-policy rule stopped the job's in-job restarts (exit 4); see the policy event"
     if code == EXIT_BAD_FLAGS:
         return "the launcher refused the job's settings (exit 2); see the log"
     if code > 128:

@@ -14,14 +14,15 @@ from datetime import datetime
 
 from controlplane.launchers import manifests
 from controlplane.launchers.base import LaunchFault, PollResult
-from trainer.wire import FaultClass
+from trainer.wire import FaultClass, redact
 
 IMAGE_PULL_REASONS = frozenset({"ErrImagePull", "ImagePullBackOff", "ErrImageNeverPull", "InvalidImageName",
                                 "RegistryUnavailable", "SignatureValidationFailed"})
 # Container states that will never start: waiting longer does not help.
 TERMINAL_WAITING = frozenset({"InvalidImageName", "CreateContainerConfigError", "CreateContainerError"})
 # trainer.launch's exit statuses that a job-level restart would only repeat (trainer/launch.py).
-FINAL_EXITS = {2: "the launcher refused the job's settings", 3: "the training code cannot start"}
+FINAL_EXITS = {2: "the launcher refused the job's settings", 3: "the training code cannot start",
+               4: "a failure-policy rule stopped the job"}
 NODE_LOST_DISRUPTIONS = frozenset({"DeletionByTaintManager", "DeletionByPodGC"})
 EVICTION_DISRUPTIONS = frozenset({"EvictionByEvictionAPI", "PreemptionByScheduler", "TerminationByKubelet"})
 
@@ -68,6 +69,25 @@ def _exit_text(code: int) -> str:
     return f"exit code {code}"
 
 
+# The container's own words about its end, appended to the fault's message after a blank line (the fault page
+# shows them as the termination reason and message: ``jobs.evidence``); the termination message is capped.
+TERMINATION_HEAD = "container {name} terminated: reason {reason}, exit code {code}"
+TERMINATION_MESSAGE_MAX = 2000
+
+
+def termination_detail(term: dict) -> str:
+    """``TERMINATION_HEAD`` and, when the container wrote one (``terminationMessagePath``, or the log's
+    end with ``FallbackToLogsOnError``), its termination message."""
+    head = TERMINATION_HEAD.format(name=manifests.CONTAINER, reason=term.get("reason") or "-",
+                                   code=int(term.get("exitCode") or 0))
+    if term.get("signal"):
+        head += f", signal {term['signal']}"
+    message = redact((term.get("message") or "").strip())
+    if len(message) > TERMINATION_MESSAGE_MAX:
+        message = "…" + message[-TERMINATION_MESSAGE_MAX:]
+    return f"{head}\n{message}" if message else head
+
+
 def _exit_code(pod: dict) -> int | None:
     """The trainer container's exit status, once it has terminated (not for an OOM kill)."""
     for c in pod.get("status", {}).get("containerStatuses") or []:
@@ -91,9 +111,9 @@ def classify_pod(pod: dict, *, procs_per_node: int) -> tuple[str, LaunchFault | 
     where = f"pod {name} (node rank {rank}, {ranks}{', on ' + node if node else ''})"
     phase = status.get("phase", "Pending")
 
-    def fault(cls: str, message: str, at: float | None = None) -> LaunchFault:
-        return LaunchFault(fault_class=cls, message=f"{where}: {message}", source_key=f"{uid}:{cls}", node=node,
-                           at=at)
+    def fault(cls: str, message: str, at: float | None = None, detail: str = "") -> LaunchFault:
+        return LaunchFault(fault_class=cls, message=f"{where}: {message}" + (f"\n\n{detail}" if detail else ""),
+                           source_key=f"{uid}:{cls}", node=node, at=at)
 
     disruption = _condition(pod, "DisruptionTarget")
     container = next((c for c in status.get("containerStatuses") or [] if c.get("name") == manifests.CONTAINER), {})
@@ -115,17 +135,18 @@ def classify_pod(pod: dict, *, procs_per_node: int) -> tuple[str, LaunchFault | 
         if term:
             at = _ts(term.get("finishedAt")) or at
             code = int(term.get("exitCode") or 0)
+            detail = termination_detail(term)
             if term.get("reason") == "OOMKilled":
-                f = fault(FaultClass.OOM_KILLED, f"out of memory (OOMKilled, {_exit_text(code)})", at)
-                return "failed", f, f.message
-            last = (term.get("message") or "").strip().splitlines()[-1:] or [""]
+                f = fault(FaultClass.OOM_KILLED, f"out of memory (OOMKilled, {_exit_text(code)})", at, detail)
+                return "failed", f, _first_line(f.message)
+            last = redact((term.get("message") or "").strip()).splitlines()[-1:] or [""]
             tail = f": {last[0][:300]}" if last[0] else ""
             if code in FINAL_EXITS:
                 # Not a fault of the pod: the launcher reported why (with the traceback) as a fault itself.
                 return "failed", None, f"{where}: {FINAL_EXITS[code]} (exit {code}){tail}"
             if code != 0:
-                f = fault(FaultClass.PROCESS_KILLED, f"trainer exited with {_exit_text(code)}{tail}", at)
-                return "failed", f, f.message
+                f = fault(FaultClass.PROCESS_KILLED, f"trainer exited with {_exit_text(code)}{tail}", at, detail)
+                return "failed", f, _first_line(f.message)
             if phase == "Failed":
                 return "failed", None, f"{where}: failed with exit code 0"
         if meta.get("deletionTimestamp") and phase != "Failed":
@@ -151,6 +172,10 @@ def classify_pod(pod: dict, *, procs_per_node: int) -> tuple[str, LaunchFault | 
     return "pending", None, f"{where}: {waiting.get('reason') or 'pending'}"
 
 
+def _first_line(message: str) -> str:
+    return message.split("\n", 1)[0]
+
+
 def summarize(workload: dict, pods: list[dict], events: list[dict], *, nodes: int, procs_per_node: int) -> PollResult:
     """The attempt's state from its workload, pods and warning events (pure)."""
     uid = workload.get("metadata", {}).get("uid", "")
@@ -170,7 +195,7 @@ def summarize(workload: dict, pods: list[dict], events: list[dict], *, nodes: in
     # consequences, not faults. Without any other fault, the first deleted pod is the cause (a drain).
     if deleted and not faults and not final:
         faults.append(min(deleted, key=lambda f: f.at or float("inf")))
-    reasons.sort(key=lambda r: not any(f.message == r[1] for f in faults))
+    reasons.sort(key=lambda r: not any(_first_line(f.message) == r[1] for f in faults))
     done = _condition(workload, "Complete") or _condition(workload, "Completed")
     if done or (len(pods) == nodes and pods and all(s == "succeeded" for s in states)):
         return PollResult(state="succeeded", reason="training finished", faults=faults)
@@ -187,7 +212,7 @@ def summarize(workload: dict, pods: list[dict], events: list[dict], *, nodes: in
                     fault_class=FaultClass.NODE_LOST, source_key=f"{uid}:missing-{i}", at=_ts(failed.get("lastTransitionTime")),
                     message=f"the pod of node rank {i} disappeared (its node was removed, or it was deleted)"))
         first = next((r for s, r in reasons if s == "failed"), None)
-        reason = first or (faults[0].message if faults else
+        reason = first or (_first_line(faults[0].message) if faults else
                            f"{failed.get('reason', 'Failed')}: {failed.get('message', '')}" if failed else "a pod failed")
         return PollResult(state="failed", reason=reason, faults=faults)
     if workload.get("spec", {}).get("suspend"):

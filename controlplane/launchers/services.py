@@ -26,10 +26,12 @@ from controlplane.jobs.models import (
     JobStatus,
     RestartCycle,
 )
+from controlplane.jobs import policy
 from controlplane.jobs.services import begin_job_restart, finish_command, set_status
 from controlplane.launchers.backends import get_launcher
-from controlplane.launchers.base import LaunchError, LaunchFault, TransientLaunchError
-from trainer.wire import CommandKind, cycle_key
+from controlplane.launchers.base import LaunchError, LaunchFault, PollResult, TransientLaunchError
+from trainer.policy import Action, Decision
+from trainer.wire import CommandKind, Layer, cycle_key
 
 log = logging.getLogger(__name__)
 STOP_GRACE_S = 10.0
@@ -98,8 +100,22 @@ def stop_job_now(*, job_id: int, command_id: int | None, reason: str = "stopped 
         job.refresh_from_db()
         if job.attempt == stopped_attempt:
             break
+    if (job.launcher_state or {}).get("held"):
+        Job.objects.filter(pk=job.pk).update(launcher_state={k: v for k, v in job.launcher_state.items()
+                                                             if k != "held"})
     if command_id is not None:
         finish_command(command_id=command_id, detail="processes stopped by the launcher")
+
+
+def hold_job_now(*, job_id: int) -> None:
+    """A failure policy's ``stop_keep``: the job has failed; keep its processes or pods for debugging
+    (``Launcher.hold``) and say so on the job (``launcher_state["held"]``) until a Stop releases them."""
+    job = Job.objects.get(pk=job_id)
+    if job.is_active or job.commands.filter(kind=CommandKind.STOP).exists():
+        return  # relaunched or stopped meanwhile: nothing to keep
+    kept = get_launcher(job.backend).hold(job)
+    Job.objects.filter(pk=job.pk).update(launcher_state={**(job.launcher_state or {}), "held": kept})
+    log.warning("job %s: kept for debugging: %s", job.pk, kept)
 
 
 def restart_job_now(*, job_id: int, command_id: int | None, reason: str = "restart requested by an operator",
@@ -130,14 +146,16 @@ def restart_job_now(*, job_id: int, command_id: int | None, reason: str = "resta
     return True
 
 
-def record_launch_fault(job: Job, fault: LaunchFault) -> bool:
-    """Store a fault only the launcher saw, once per occurrence. True when it is new."""
+def record_launch_fault(job: Job, fault: LaunchFault, *, decided: bool = False) -> bool:
+    """Store a fault only the launcher saw, once per occurrence. True when it is new. ``decided``: the caller
+    takes the failure policy's decision for it (the end of an attempt), so the watchdog's pass does not."""
     at = datetime.fromtimestamp(fault.at, tz=UTC) if fault.at else timezone.now()
     try:
         with transaction.atomic():
             Fault.objects.create(job=job, fault_class=fault.fault_class, rank=fault.rank, node=fault.node,
                                  detected_by="launcher", message=fault.message[:2000], at=at,
-                                 source_key=f"{job.backend}:{fault.source_key}"[:100])
+                                 source_key=f"{job.backend}:{fault.source_key}"[:100],
+                                 policy_at=timezone.now() if decided else None)
         return True
     except IntegrityError:
         return False
@@ -148,7 +166,7 @@ def supervise_job(*, job: Job) -> str:
     result = get_launcher(job.backend).poll(job)
     stopping = result.state in ("succeeded", "failed", "lost") and job.commands.filter(kind=CommandKind.STOP).exists()
     for fault in result.faults if not stopping else ():
-        record_launch_fault(job, fault)
+        record_launch_fault(job, fault, decided=result.state in ("failed", "lost"))
     if stopping:
         # An operator asked for a stop: however the processes ended, that is what happened.
         set_status(job, JobStatus.STOPPED, "stopped by an operator", only_from=ACTIVE_STATUSES)
@@ -159,19 +177,46 @@ def supervise_job(*, job: Job) -> str:
                       f"{result.faults[-1].message}", only_from=ACTIVE_STATUSES):
             get_launcher(job.backend).stop(job, grace_s=STOP_GRACE_S)
     elif result.state in ("failed", "lost"):
-        spec = job.job_spec
-        if result.retryable and spec.job_restart and job.attempt < spec.max_job_restarts:
-            fault_at = None
-            if result.faults and result.faults[0].at:
-                fault_at = datetime.fromtimestamp(result.faults[0].at, tz=UTC)
-            restart_job_now(job_id=job.pk, command_id=None, reason=f"job-level restart: {result.reason}",
-                            fault_at=fault_at, expected_attempt=job.attempt)
-        else:
-            why = result.reason
-            if spec.job_restart:
-                why += f" (job-level restarts used up: {job.attempt} of {spec.max_job_restarts})"
-            set_status(job, JobStatus.FAILED, why, only_from=ACTIVE_STATUSES)
+        _end_of_attempt(job, result)
     return result.state
+
+
+def _end_of_attempt(job: Job, result: PollResult) -> None:
+    """The attempt's processes or pods ended with a failure: the failure policy decides (a written rule on
+    its faults, else the default: relaunch while job-level restarts are left and a relaunch can help, else
+    fail the job). The decision is a ``policy`` event on the timeline."""
+    spec = job.job_spec
+    policy.apply_job_policies(job)  # the ranks' own faults first: their rules may have stopped or restarted it
+    if not job.is_active or job.commands.filter(kind=CommandKind.RESTART, level=Layer.JOB).exclude(
+            status__in=(CommandStatus.DONE, CommandStatus.FAILED)).exists():
+        return
+    decision = policy.decide_launch(job, [(f.fault_class, f.message) for f in result.faults], spec)
+    can_restart = result.retryable and spec.job_restart and job.attempt < spec.max_job_restarts
+    if decision is None or decision.action not in (Action.STOP, Action.STOP_KEEP, Action.RESTART_JOB,
+                                                   Action.NOTIFY):
+        why = (f"default: job_restart on, {spec.max_job_restarts - job.attempt} left" if can_restart else
+               "default: " + ("a relaunch would fail the same way" if not result.retryable else
+                              "job-level restarts are off or used up"))
+        decision = Decision(Action.RESTART_JOB if can_restart else Action.STOP, None, why)
+    key = f"a{job.attempt}-end"
+    subject = f"attempt {job.attempt} ended ({result.reason})"[:300]
+    with transaction.atomic():
+        policy.record(job, decision, key=key, subject=subject, rank=None, now=timezone.now())
+        if decision.written and decision.action != Action.RESTART_JOB:
+            policy.carry_out(job, decision, key=key, subject=subject)
+    if decision.action in (Action.STOP, Action.STOP_KEEP) and decision.written:
+        return
+    if decision.action in (Action.RESTART_JOB, Action.NOTIFY) and can_restart:
+        fault_at = None
+        if result.faults and result.faults[0].at:
+            fault_at = datetime.fromtimestamp(result.faults[0].at, tz=UTC)
+        restart_job_now(job_id=job.pk, command_id=None, reason=f"job-level restart: {result.reason}",
+                        fault_at=fault_at, expected_attempt=job.attempt)
+    else:
+        why = result.reason
+        if spec.job_restart:
+            why += f" (job-level restarts used up: {job.attempt} of {spec.max_job_restarts})"
+        set_status(job, JobStatus.FAILED, why, only_from=ACTIVE_STATUSES)
 
 
 def retry_stuck_launches(now: datetime | None = None) -> int:

@@ -28,6 +28,11 @@ def restart(job_id: int, command_id: int | None) -> None:
     services.restart_job_now(job_id=job_id, command_id=command_id)
 
 
+@shared_task(throws=(LaunchError,), **RETRY)
+def hold(job_id: int) -> None:
+    services.hold_job_now(job_id=job_id)
+
+
 @shared_task(ignore_result=True)
 def supervise() -> None:
     services.supervise_all()
@@ -41,5 +46,7 @@ def on_launcher_requested(*, action: str, job_id: int, command_id: int | None, c
         restart.delay(job_id, command_id)
     elif action == "stop":
         stop.apply_async((job_id, command_id), countdown=countdown)
+    elif action == "hold":
+        hold.delay(job_id)
     else:
-        raise ValueError(f"unknown launcher request {action!r}: use launch, restart or stop")
+        raise ValueError(f"unknown launcher request {action!r}: use launch, restart, stop or hold")

@@ -89,6 +89,10 @@ def test_it_detects_a_hung_level1_loop_from_its_heartbeats_and_restarts_it(e2e_s
         hang = Fault.objects.filter(job=job, fault_class=FaultClass.HANG, cycle__isnull=False).first()
         assert hang is not None and hang.rank == 1, _faults(job)
         assert hang.cycle.layer == Layer.IN_JOB
+        # No in-process layer to take the hung rank's stack: its faulthandler wrote it before ft_launcher
+        # ended the rank, and the launcher attached it to the fault.
+        assert "Stacks of rank 1's threads when its heartbeats stopped" in hang.message, hang.message
+        assert 'File "' in hang.message.split("heartbeats stopped", 1)[1], hang.message
         cycle = RestartCycle.objects.get(pk=hang.cycle_id)
         assert cycle.first_step_at is not None
         # ft_launcher saw the loop's heartbeats stop: detected within the step timeout (+ its check interval).

@@ -123,3 +123,20 @@ def test_the_api_shows_a_rank_s_work_and_slowdown(settle):
     ranks = operator_client().get(f"/api/v1/jobs/{job.pk}/ranks").json()["ranks"]
     assert [(r["health"], r["busy_s"], r["slowdown_pct"]) for r in ranks] == [
         ("ok", 0.10, None), ("straggler", 0.13, 30.0)]
+
+
+def test_a_straggler_rule_of_the_failure_policy_acts_when_the_watchdog_marks_one(settle):
+    from controlplane.jobs.models import Command, Notification
+    from trainer.policy import parse_rules
+
+    job, _ = make_job(spec={"procs_per_node": 2, "failure_policy": parse_rules([
+        {"match": {"class": "straggler"}, "action": "notify"}])}, notify_email="ops@example.com")
+    t = time.time()
+    beat(job, hb(0, 10, at=t, busy_s=0.10), hb(1, 10, at=t, busy_s=0.20))
+    settle()
+    assert supervision.run_watchdog(timezone.now()).stragglers == 1
+    n = Notification.objects.get(job=job)
+    assert n.transition == "policy" and "straggler rank 1 (100 % slower)" in n.payload["text"]
+    decision = Event.objects.get(job=job, kind="policy").data
+    assert (decision["action"], decision["rule"]) == ("notify", 1)
+    assert not Command.objects.filter(job=job).exists()

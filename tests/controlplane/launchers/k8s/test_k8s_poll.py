@@ -55,7 +55,9 @@ def test_it_reports_oom_killed_with_the_node_and_ranks(cluster, launcher, pods):
     assert fault.node == "ip-10-0-0-1"
     assert "node rank 1, ranks 8-15" in fault.message and "OOMKilled" in fault.message
     assert fault.at is not None
-    assert result.reason == fault.message
+    head, detail = fault.message.split("\n\n")
+    assert result.reason == head
+    assert detail == "container trainer terminated: reason OOMKilled, exit code 137"
 
 
 def test_it_reports_an_exit_code_as_process_killed_with_the_log_tail(cluster, launcher, pods):

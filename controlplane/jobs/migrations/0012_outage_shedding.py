@@ -6,7 +6,7 @@ from django.db import migrations, models
 class Migration(migrations.Migration):
 
     dependencies = [
-        ('jobs', '0010_rank_stragglers'),
+        ('jobs', '0011_fault_policy'),
     ]
 
     operations = [
