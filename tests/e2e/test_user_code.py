@@ -135,9 +135,12 @@ def test_it_recovers_a_level2_entrypoint_by_every_layer_to_the_clean_runs_loss(e
                Fault.objects.filter(job=job, cycle__isnull=False).select_related("cycle").order_by("at")]
         assert got == [(FaultClass.EXCEPTION, Layer.IN_PROCESS, 1), (FaultClass.PROCESS_KILLED, Layer.IN_JOB, 0),
                        (FaultClass.NAN_LOSS, Layer.IN_PROCESS, 0)], got
+        # Every cycle that recovered has all its marks. One the Wrapper opened on a peer's SIGKILL, before
+        # ft_launcher restarted the group, has no fault of its own: it is closed as escalated (a race
+        # that load decides).
         for c in RestartCycle.objects.filter(job=job):
-            assert None not in (c.fault_at, c.detected_at, c.restarted_at, c.checkpoint_loaded_at,
-                                c.first_step_at), c.__dict__
+            marks = (c.fault_at, c.detected_at, c.restarted_at, c.checkpoint_loaded_at, c.first_step_at)
+            assert None not in marks or (c.escalated_to and c.first_step_at), c.__dict__
         assert Checkpoint.objects.filter(job=job, state=CheckpointState.DURABLE).count() >= 5
         assert max(e.data["level"] for e in Event.objects.filter(job=job, kind=EventKind.INTEGRATION)) == 2
     finally:
