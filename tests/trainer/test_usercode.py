@@ -116,3 +116,19 @@ def test_the_sdk_installs_as_its_own_distribution(tmp_path):
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path,
                        env={"PYTHONPATH": str(target), "PATH": "/usr/bin:/bin"})
     assert r.returncode == 0 and r.stdout.strip() == "False", r.stderr[-2000:]
+    # What the launcher and the ranks import at module level comes with the distribution (NVRx, the
+    # extra, is imported only where a job turns its layers on, behind a clear error).
+    meta = next(target.glob("unbroken_sdk-*.dist-info")) / "METADATA"
+    required = {line.split(":", 1)[1].strip().split(";")[0].split(">")[0].split("=")[0].strip().lower()
+                for line in meta.read_text().splitlines()
+                if line.startswith("Requires-Dist:") and "extra ==" not in line}
+    imported = set()
+    for py in (target / "trainer").glob("*.py"):
+        for node in ast.parse(py.read_text()).body:
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module] if isinstance(node, ast.ImportFrom) and node.module and not node.level
+                     else [])
+            imported |= {n.split(".")[0] for n in names}
+    third_party = imported - set(sys.stdlib_module_names) - {"trainer", "unbroken", "__future__"}
+    assert third_party <= required, f"imported but not required: {third_party - required}"
+    assert "psutil" in required
