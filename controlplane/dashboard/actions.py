@@ -92,8 +92,10 @@ def job_stop(request, job_id: int):
             job=job,
             danger=True,
             title=f"Stop job #{job.pk}?",
-            message="The trainer saves a final checkpoint and exits; anything left after the grace "
-            "period is killed.",
+            message=("The trainer saves a final checkpoint and exits; anything left after the grace "
+                     "period is killed." if services.stop_grace_s(job) else
+                     "This script does not use the SDK, so it cannot save on a stop: its processes are "
+                     "terminated now."),
         )
     return _done(
         request,

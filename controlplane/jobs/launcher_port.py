@@ -23,7 +23,8 @@ log = logging.getLogger(__name__)
 launcher_requested = Signal()
 
 # A graceful stop: the trainer gets the stop command, saves a final checkpoint and exits; the launcher
-# ends whatever is left after this long.
+# ends whatever is left after this long. Code that never sees the command (Level 0: a script without the
+# SDK's calls) gets none: the launcher stops it at once (SIGTERM, SIGKILL after its own grace).
 TRAINER_STOP_GRACE_S = 30.0
 
 

@@ -12,6 +12,7 @@ from django.contrib.auth.models import AbstractBaseUser
 from django.db import transaction
 from django.utils import timezone
 
+from controlplane.jobs import figures
 from controlplane.jobs import heartbeats as hb_store
 from controlplane.jobs import launcher_port
 from controlplane.jobs.models import (
@@ -137,11 +138,20 @@ def inject_fault(*, job: Job, fault: str, rank: int, requested_by, remote_addr: 
                             actor=requested_by, remote_addr=remote_addr)
 
 
-def stop_job(*, job: Job, requested_by, remote_addr: str | None = None,
-             grace_s: float = launcher_port.TRAINER_STOP_GRACE_S) -> Command:
+def stop_grace_s(job: Job) -> float:
+    """How long the trainer has to stop by itself before the launcher ends what is left: none when the
+    job's code reported Level 0 only (an unmodified script cannot see a stop command, so waiting would
+    only delay the stop), else ``TRAINER_STOP_GRACE_S``."""
+    integration = figures.integration(job)
+    if integration is not None and integration.level == 0:
+        return 0.0
+    return launcher_port.TRAINER_STOP_GRACE_S
+
+
+def stop_job(*, job: Job, requested_by, remote_addr: str | None = None, grace_s: float | None = None) -> Command:
     """Graceful stop: the trainer saves a final checkpoint and exits; the launcher ends what is left
-    after ``grace_s``. A failed job whose processes or pods a failure policy kept for debugging
-    (``launcher_state["held"]``) is released at once."""
+    after ``grace_s`` (default: ``stop_grace_s(job)``). A failed job whose processes or pods a failure
+    policy kept for debugging (``launcher_state["held"]``) is released at once."""
     if not job.is_active and (job.launcher_state or {}).get("held"):
         with transaction.atomic():
             cmd = Command.objects.create(job=job, kind=CommandKind.STOP, via_trainer=False,
@@ -153,6 +163,8 @@ def stop_job(*, job: Job, requested_by, remote_addr: str | None = None,
         return cmd
     if not job.is_active:
         raise ActionError(f"job #{job.pk} is already {job.status}")
+    if grace_s is None:
+        grace_s = stop_grace_s(job)
     cmd = _trainer_command(job=job, kind=CommandKind.STOP, actor=requested_by, remote_addr=remote_addr)
     launcher_port.request("stop", job_id=job.pk, command_id=cmd.pk, countdown=grace_s)
     return cmd

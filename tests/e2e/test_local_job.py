@@ -2,9 +2,6 @@
 heartbeats and events land, drills show up as faults and restart cycles with their phases, and
 operator commands (job-level restart, stop) work without leaving processes behind."""
 
-import os
-
-import psutil
 import pytest
 
 from controlplane.jobs import services
@@ -13,7 +10,7 @@ from controlplane.jobs.spec import Drill, JobSpec
 from controlplane.jobs.versions import runtime_versions
 from controlplane.launchers.local import launch_tag
 from controlplane.launchers.services import supervise_all
-from tests.helpers import wait_for
+from tests.helpers import tagged_processes, wait_for
 from trainer import nvrx_compat
 from trainer.wire import CheckpointState, FaultClass, Layer
 
@@ -31,17 +28,6 @@ def _status(job: Job) -> str:
     supervise_all()
     job.refresh_from_db()
     return job.status
-
-
-def _tagged_processes(tag: str) -> list[int]:
-    out = []
-    for p in psutil.process_iter(["pid"]):
-        try:
-            if p.pid != os.getpid() and p.environ().get("UNBROKEN_LAUNCH_TAG") == tag:
-                out.append(p.pid)
-        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-            continue
-    return out
 
 
 @pytest.mark.parametrize("node_agent", [False, True], ids=["direct", "node-agent"])
@@ -145,7 +131,7 @@ def test_it_restarts_the_whole_job_and_stops_without_leftovers(e2e_settings, cel
                                                              first_step_at__isnull=False).first(),
                          timeout_s=120, what="the job-level restart to reach its first step")
         assert cycle.aborted_at and cycle.restarted_at and cycle.checkpoint_loaded_at
-        assert _tagged_processes(first_tag) == []
+        assert tagged_processes(first_tag) == []
         job.refresh_from_db()
         assert job.attempt == 1
         assert cycle.resumed_from_step is not None and cycle.resumed_from_step >= 10
@@ -154,7 +140,7 @@ def test_it_restarts_the_whole_job_and_stops_without_leftovers(e2e_settings, cel
 
         services.stop_job(job=job, requested_by=None, grace_s=1.0)
         wait_for(lambda: _status(job) == JobStatus.STOPPED, timeout_s=90, what="the job to stop")
-        wait_for(lambda: _tagged_processes(launch_tag(job)) == [], timeout_s=30, what="its processes to exit")
+        wait_for(lambda: tagged_processes(launch_tag(job)) == [], timeout_s=30, what="its processes to exit")
     finally:
         _cleanup(job)
 

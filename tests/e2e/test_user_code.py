@@ -2,16 +2,18 @@
 an unmodified FSDP2 script (Level 0), the same script with the SDK's few lines (Level 1), the same
 training as an SDK entrypoint (Level 2), and code that cannot start."""
 
+import time
 from pathlib import Path
 
 import pytest
 
 from controlplane.jobs import services
-from controlplane.jobs.models import Checkpoint, Event, Fault, Job, JobStatus, Rank, RestartCycle
+from controlplane.jobs.models import (Checkpoint, Command, CommandStatus, Event, Fault, Job, JobStatus, Rank,
+                                      RestartCycle)
 from controlplane.jobs.spec import Drill, JobSpec
-from controlplane.launchers.local import LocalLauncher
+from controlplane.launchers.local import LocalLauncher, launch_tag
 from controlplane.launchers.services import supervise_all
-from tests.helpers import wait_for
+from tests.helpers import tagged_processes, wait_for
 from trainer.wire import CheckpointState, EventKind, FaultClass, Layer
 
 pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
@@ -75,6 +77,34 @@ def test_it_supervises_an_unmodified_script_through_a_kill_and_an_exception(e2e_
         wait_for(lambda: Rank.objects.filter(job=job, last_step=200).exists(), timeout_s=30,
                  what="progress parsed from the script's output")
         assert "FINAL_LOSS" in (Path(e2e_settings.DATA_DIR) / "jobs" / str(job.pk) / "logs" / "rank0.log").read_text()
+    finally:
+        _cleanup(job)
+
+
+def test_an_operator_stop_ends_an_unmodified_script_at_once_as_stopped(e2e_settings, celery_beat_thread, tmp_path):
+    """A Level-0 script cannot see a stop command: the launcher stops it without the trainer's grace."""
+    job = _job(tmp_path, str(EXAMPLES / "plain_fsdp.py"), args=("--steps", "100000"), steps=100000)
+    try:
+        wait_for(lambda: Rank.objects.filter(job=job, last_step__gte=10).count() == 2, timeout_s=120,
+                 what="both ranks to print steps")
+        assert services.stop_grace_s(job) == 0.0
+        tag = launch_tag(Job.objects.get(pk=job.pk))
+        t0 = time.monotonic()
+        cmd = services.stop_job(job=job, requested_by=None)
+        wait_for(lambda: not tagged_processes(tag), timeout_s=60, what="the job's processes to exit")
+        took = time.monotonic() - t0
+        print(f"stop -> no process left: {took:.2f} s")
+        job.refresh_from_db()
+        assert job.status == JobStatus.STOPPED, job.status_reason
+        # SIGTERM ends an unmodified script at once; 10 s is the launcher's SIGTERM -> SIGKILL grace.
+        assert took < 10.0, took
+        for _ in range(4):  # supervision passes after the exit must not take it for a failure
+            supervise_all()
+        job.refresh_from_db()
+        assert job.status == JobStatus.STOPPED, job.status_reason
+        assert not Fault.objects.filter(job=job).exists(), _faults(job)
+        wait_for(lambda: Command.objects.get(pk=cmd.pk).status == CommandStatus.DONE, timeout_s=30,
+                 what="the stop command to be carried out")
     finally:
         _cleanup(job)
 

@@ -8,6 +8,7 @@ from django.urls import reverse
 from django.utils import timezone
 
 from controlplane.dashboard.forms import EXAMPLE_SCRIPT, PRESET_CHOICES, JobForm
+from controlplane.jobs import launcher_port, services
 from controlplane.jobs.models import Event, Job
 from controlplane.jobs.spec import JobSpec
 from trainer.wire import EventKind
@@ -107,3 +108,25 @@ def test_the_fault_table_unfolds_a_long_message_such_as_a_traceback():
     make_fault(job, at=timezone.now(), fault_class="exception", message=tb)
     page = c.get(reverse("dashboard:job", args=[job.pk])).content.decode()
     assert '<details class="evidence">' in page and "line 3, in &lt;module&gt;" in page
+
+
+def test_a_level0_job_is_stopped_without_the_trainers_grace_and_the_confirmation_says_so():
+    """An unmodified script cannot see a stop command: waiting for it to save would only delay the stop."""
+    c = operator_client()
+    job = make_job(spec=JobSpec(entrypoint="train.py", in_process=False).to_dict())
+    assert services.stop_grace_s(job) == launcher_port.TRAINER_STOP_GRACE_S  # nothing reported yet
+
+    def hello(level: int, rank: int) -> None:
+        Event.objects.create(job=job, event_id=f"i{level}-{rank}", kind=EventKind.INTEGRATION, rank=rank,
+                             at=timezone.now(), received_at=timezone.now(), data={"level": level})
+
+    hello(0, 0)
+    hello(0, 1)
+    assert services.stop_grace_s(job) == 0.0
+    page = c.post(reverse("dashboard:job_stop", args=[job.pk])).content.decode()
+    assert "cannot save on a stop: its processes are terminated now" in page
+
+    hello(1, 0)  # unbroken.init() ran: the loop sees should_stop() and saves
+    assert services.stop_grace_s(job) == launcher_port.TRAINER_STOP_GRACE_S
+    page = c.post(reverse("dashboard:job_stop", args=[job.pk])).content.decode()
+    assert "saves a final checkpoint" in page
