@@ -180,15 +180,16 @@ class Control:
         self._bufs = (torch.zeros(5, dtype=torch.int64), torch.zeros(5, dtype=torch.int64))
         self._round = 0
         self._due = 0
-        self._every: int | None = None
+        self._every = 1  # steps from a round's post to its collection: rank 0's k, from the last round
 
     def agree_overlapped(self, step: int, step_time_s: float | None) -> Decision:
         """``agree`` for the SDK's loop, off the step's critical path. A round is posted at step P and
         collected (and acted on, by every rank) at step P + k, so a rank waits only when a peer is more
-        than k steps behind. k is fixed per attempt by rank 0 in the first round: about
-        ``AGREE_EVERY_S`` of steps (a command waits at most about twice that). Rank 0 marks a command
-        done when its round is collected, so one posted in a round that a fault cut short is posted
-        again by the next attempt."""
+        than k steps behind. k is about ``AGREE_EVERY_S`` of steps at rank 0's step time: rank 0 puts it
+        in every round and every rank takes it from the round it collects, so all ranks keep the same
+        schedule (a command waits at most about twice ``AGREE_EVERY_S``). The first round, before any
+        step time is known, is collected a step later. Rank 0 marks a command done when its round is
+        collected, so one posted in a round that a fault cut short is posted again by the next attempt."""
         decision = NOTHING
         if step < self._due:
             return decision
@@ -197,8 +198,7 @@ class Control:
             self._work = None
             vec = self._posted.tolist()
             decision = decode(vec[:4])
-            if self._every is None:
-                self._every = int(vec[4])
+            self._every = int(vec[4])
             self._collected(decision)
         buf = self._bufs[self._round % 2]
         self._round += 1
@@ -218,10 +218,9 @@ class Control:
         if self.world_size > 1:
             self._work = dist.broadcast(buf, src=0, group=self.pg, async_op=True)
             self._posted = buf
-            self._due = step + (self._every or 1)
+            self._due = step + self._every
         else:
-            if self._every is None:
-                self._every = int(buf[4])
+            self._every = int(buf[4])
             if decision is NOTHING:
                 decision = decode(buf.tolist()[:4])
                 self._collected(decision)
