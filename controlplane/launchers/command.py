@@ -26,18 +26,27 @@ def trainer_args(spec: JobSpec, *, report_url: str = "") -> list[str]:
 
     For the user's own code (``spec.entrypoint``) they are the shim's: reporting, drills, the layers'
     timeouts and the checkpoint settings the SDK's full level uses (no model: the user's code has it)."""
-    args = [] if spec.entrypoint else ["--preset", spec.preset]
-    args += ["--steps", str(spec.steps), "--ckpt-interval", str(spec.checkpoint_interval),
-             "--ckpt-mode", spec.checkpoint_mode, "--keep-ckpts", str(spec.keep_checkpoints),
-             "--in-process" if spec.in_process else "--no-in-process"]
+    if spec.entrypoint:
+        args = ["--in-process" if spec.in_process else "--no-in-process", "--steps", str(spec.steps),
+                "--ckpt-interval", str(spec.checkpoint_interval), "--ckpt-mode", spec.checkpoint_mode,
+                "--keep-ckpts", str(spec.keep_checkpoints),
+                "--step-timeout", _num(spec.step_timeout_s),
+                "--ckpt-timeout", _num(spec.checkpoint_timeout_s),
+                "--startup-timeout", _num(max(120.0, 2 * spec.step_timeout_s))]
+    else:
+        args = [
+            "--preset", spec.preset,
+            "--steps", str(spec.steps),
+            "--ckpt-interval", str(spec.checkpoint_interval),
+            "--ckpt-mode", spec.checkpoint_mode,
+            "--keep-ckpts", str(spec.keep_checkpoints),
+            "--in-process" if spec.in_process else "--no-in-process",
+        ]
     if spec.in_process:
         args += ["--max-in-process-restarts", str(spec.max_in_process_restarts)]
-    # The job's own timeouts, for every job (ft_launcher's rank heartbeat timeouts and the SDK's keep-alive
-    # read them): the trainer's defaults apply only to a trainer run by hand.
-    args += ["--step-timeout", _num(spec.step_timeout_s), "--ckpt-timeout", _num(spec.checkpoint_timeout_s),
-             "--startup-timeout", _num(max(120.0, 2 * spec.step_timeout_s)),
-             "--report-interval", _num(spec.heartbeat_interval_s),
-             "--straggler-window", _num(spec.straggler_window_s)]
+    args += ["--report-interval", _num(spec.heartbeat_interval_s)]
+    if spec.straggler_window_s != 5.0:  # the trainer's default
+        args += ["--straggler-window", _num(spec.straggler_window_s)]
     for drill in spec.drills:
         args += ["--drill", drill.as_flag()]
     if report_url:

@@ -27,15 +27,6 @@ def test_the_built_in_model_keeps_its_command():
     assert args.count("--") == 1
 
 
-def test_every_job_passes_its_own_timeouts_to_the_trainer():
-    """ft_launcher's rank heartbeat timeouts come from the job's spec, for the built-in model too (the
-    trainer's own defaults, 30 s and 120 s, are for a trainer run by hand)."""
-    for extra in ({}, {"entrypoint": "train.py"}):
-        args = _args(step_timeout_s=12, checkpoint_timeout_s=400, straggler_window_s=5.0, **extra)
-        assert args[args.index("--step-timeout") + 1] == "12" and args[args.index("--ckpt-timeout") + 1] == "400"
-        assert args[args.index("--straggler-window") + 1] == "5"
-
-
 def test_in_process_restart_is_off_for_ones_own_code_unless_asked():
     assert JobSpec.from_dict({"entrypoint": "train.py"}).in_process is False
     assert "--no-in-process" in _args(entrypoint="train.py")

@@ -19,8 +19,7 @@ def test_it_builds_the_exact_argv():
         "--nnodes", "1", "--node-rank", "0", "--nproc-per-node", "4", "--rdzv-endpoint", "127.0.0.1:29400",
         "--max-restarts", "4", "--in-job", "--run-dir", "/runs/9", "--job-id", "9", "--attempt", "2", "--",
         "--preset", "small", "--steps", "500", "--ckpt-interval", "25", "--ckpt-mode", "sync", "--keep-ckpts", "2",
-        "--in-process", "--max-in-process-restarts", "7", "--step-timeout", "30", "--ckpt-timeout", "300",
-        "--startup-timeout", "120", "--report-interval", "0.5", "--straggler-window", "5",
+        "--in-process", "--max-in-process-restarts", "7", "--report-interval", "0.5",
         "--drill", "60:exception:1", "--drill", "150:sigkill:0", "--report-url", "http://cp:8000",
     ]
 
