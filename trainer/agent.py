@@ -32,18 +32,15 @@ import socket
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from trainer.reporter import Spool, _retry_after_s
+from trainer.reporter import DROP, OK, RETRY, Spool, post_batch
 from trainer.wire import MAX_BODY_BYTES, MAX_EVENTS, MAX_HEARTBEATS, WIRE_VERSION
 
 log = logging.getLogger(__name__)
 
 PATH = re.compile(r"^/api/v1/jobs/(\d{1,18})/ingest$")
-OK, RETRY, DROP = "ok", "retry", "drop"
 
 
 class NodeAgent:
@@ -51,6 +48,7 @@ class NodeAgent:
                  host: str = "127.0.0.1", port: int = 0, timeout_s: float = 10.0):
         self.endpoint = f"{upstream.rstrip('/')}/api/v1/jobs/{job_id}/ingest"
         self.job_id, self.interval_s, self.timeout_s = str(job_id), interval_s, timeout_s
+        self._token = token
         self._auth = f"Bearer {token}".encode()
         self.spool = Spool(os.path.join(spool_dir, "agent"))
         self.source = f"agent:{socket.gethostname()}"[:128]
@@ -129,21 +127,14 @@ class NodeAgent:
 
     def _send(self, batch: dict[str, Any]) -> str:
         body = json.dumps({**batch, "v": WIRE_VERSION, "sent_at": time.time()}, separators=(",", ":")).encode()
-        req = urllib.request.Request(self.endpoint, data=body, method="POST", headers={
-            "Content-Type": "application/json", "Authorization": self._auth.decode()})
+        verdict, raw, hold_s = post_batch(self.endpoint, self._token, body, self.timeout_s, who="node agent")
+        if hold_s:
+            self._hold_until = time.monotonic() + hold_s
+        if verdict != OK:
+            return verdict
         try:
-            with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
-                payload = json.loads(resp.read() or b"{}")
-        except urllib.error.HTTPError as e:
-            if e.code == 429:
-                self._hold_until = time.monotonic() + _retry_after_s(e.headers.get("Retry-After"))
-                return RETRY
-            if e.code >= 500:
-                return RETRY
-            log.error("node agent: the control plane refused a batch (HTTP %s): %s", e.code,
-                      e.read()[:2000].decode("utf-8", "replace"))
-            return DROP
-        except (OSError, ValueError, urllib.error.URLError, TimeoutError):
+            payload = json.loads(raw or b"{}")
+        except ValueError:
             return RETRY
         self.upstream_requests += 1
         if isinstance(payload, dict):

@@ -224,22 +224,11 @@ class HttpReporter:
         return verdict
 
     def _post(self, endpoint: str, body: bytes) -> str:
-        req = urllib.request.Request(endpoint, data=body, method="POST", headers={
-            "Content-Type": "application/json", "Authorization": f"Bearer {self._token}"})
-        try:
-            with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
-                payload = resp.read()
-        except urllib.error.HTTPError as e:
-            if e.code == 429:
-                self._hold_until = time.monotonic() + _retry_after_s(e.headers.get("Retry-After"))
-                return RETRY
-            if e.code >= 500:
-                return RETRY
-            detail = e.read()[:2000].decode("utf-8", "replace")
-            log.error("reporter: control plane refused a batch (HTTP %s), dropping it: %s", e.code, detail)
-            return DROP
-        except (OSError, urllib.error.URLError, TimeoutError):
-            return RETRY
+        verdict, payload, hold_s = post_batch(endpoint, self._token, body, self.timeout_s, who="reporter")
+        if hold_s:
+            self._hold_until = time.monotonic() + hold_s
+        if verdict != OK:
+            return verdict
         self.sent_batches += 1
         if self._on_commands is not None:
             try:
@@ -249,6 +238,27 @@ class HttpReporter:
             if commands:
                 self._on_commands(commands)
         return OK
+
+
+def post_batch(endpoint: str, token: str, body: bytes, timeout_s: float, *, who: str) -> tuple[str, bytes, float]:
+    """POST one encoded batch to an ingest endpoint: (OK | RETRY | DROP, the response body, seconds to hold
+    off before the next post: a 429's Retry-After with jitter, else 0). A 4xx other than 429 is logged
+    (as ``who``) and is DROP: the batch will never be accepted."""
+    req = urllib.request.Request(endpoint, data=body, method="POST", headers={
+        "Content-Type": "application/json", "Authorization": f"Bearer {token}"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+            return OK, resp.read(), 0.0
+    except urllib.error.HTTPError as e:
+        if e.code == 429:
+            return RETRY, b"", _retry_after_s(e.headers.get("Retry-After"))
+        if e.code >= 500:
+            return RETRY, b"", 0.0
+        detail = e.read()[:2000].decode("utf-8", "replace")
+        log.error("%s: control plane refused a batch (HTTP %s), dropping it: %s", who, e.code, detail)
+        return DROP, b"", 0.0
+    except (OSError, urllib.error.URLError, TimeoutError):
+        return RETRY, b"", 0.0
 
 
 def _retry_after_s(value: str | None, *, cap_s: float = 60.0) -> float:
