@@ -7,12 +7,14 @@ from controlplane.jobs.spec import Drill, JobSpec
 from controlplane.launchers.command import trainer_args
 from tests.trainer.conftest import launch
 from tests.trainer.stragglers import straggler_marks
+from trainer.straggler import BusyClock
 
 pytestmark = pytest.mark.django_db  # pytest-django: the rule's module imports the models
 
 
 def run(tmp_path, receiver, drills=()):
-    spec = JobSpec(steps=90, checkpoint_interval=20, drills=drills)
+    # A 2 s window: each rank's first window is warm-up (no busy_s), and 90 steps last 6-10 s here.
+    spec = JobSpec(steps=90, checkpoint_interval=20, drills=drills, straggler_window_s=2)
     r = launch(tmp_path, trainer_flags=trainer_args(spec), report_url=receiver.url,
                report_interval=spec.heartbeat_interval_s)
     assert r.rc == 0, r.log[-4000:]
@@ -35,3 +37,23 @@ def test_it_marks_the_slowed_rank_after_its_drill(tmp_path, receiver):
     assert all(r == 1 for _, r in marks), marks
     # A slow rank is not a fault: nothing restarted.
     assert not [e for b in batches for e in b["events"] if e["kind"] == "fault"]
+
+
+def test_an_attempts_first_window_is_warm_up(monkeypatch):
+    """No busy_s until the window is full (again after a restart): warm-up steps are slower on every rank,
+    and ranks judged at different points of that falling curve would differ by more than the margin."""
+    clock = {"t": 100.0}
+    monkeypatch.setattr("trainer.straggler.time.monotonic", lambda: clock["t"])
+    busy = BusyClock(window_s=2.0)
+
+    def steps(n):
+        out = []
+        for _ in range(n):
+            clock["t"] += 0.25
+            out.append(busy.step())
+        return out
+
+    first = steps(12)  # 3 s of steps
+    assert first[:8] == [None] * 8 and all(v is not None and v >= 0 for v in first[8:]), first
+    busy.reset()
+    assert steps(8) == [None] * 8 and steps(1)[0] is not None
