@@ -37,7 +37,7 @@ import statistics
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.reduction import ForkingPickler
 from typing import Any, ContextManager
 
@@ -393,6 +393,10 @@ class _InFlight:
     baseline_s: float | None = None  # the median step time just before the save (None: not known)
     overlap_s: float = 0.0  # the steps that overlapped the save: their total time and number
     overlap_n: int = 0
+    ended: threading.Event = field(default_factory=threading.Event)  # written, and made durable or failed
+    error: BaseException | None = None  # the write's failure (or the commit's)
+    write_s: float = 0.0  # from the save's start to durable (set with ``ended``)
+    bytes: int | None = None  # the checkpoint's size on disk (rank 0)
 
     def interference_s(self) -> float | None:
         """The extra time of the steps that overlapped the save against the steps just before it,
@@ -482,10 +486,10 @@ class Checkpointer:
 
     def save(self, state: Stateful, step: int, *, mode: CheckpointMode | None = None) -> None:
         mode = mode or self.mode
+        t0 = time.perf_counter()  # waiting for the previous save is this one's blocking time
         self.wait()  # at most one save in flight
         state.step = step
         path = step_dir(self.root, step)
-        t0 = time.perf_counter()
         if mode == CheckpointMode.SYNC:
             self._tainted = True
             dcp.save({"app": state}, checkpoint_id=path, process_group=self.pg)
@@ -506,10 +510,11 @@ class Checkpointer:
         resp = dcp.async_save({"app": state}, checkpoint_id=path, process_group=self.pg, async_stager=stager,
                               **kwargs)
         blocking = time.perf_counter() - t0
-        self._in_flight = _InFlight(step=step, response=resp, started_at=t0, blocking_s=blocking,
-                                    staged=not hasattr(resp, "staging_completion"),
-                                    baseline_s=statistics.median(self._clean) if self._clean else None)
+        f = self._in_flight = _InFlight(step=step, response=resp, started_at=t0, blocking_s=blocking,
+                                        staged=not hasattr(resp, "staging_completion"),
+                                        baseline_s=statistics.median(self._clean) if self._clean else None)
         self._emit(step=step, mode=mode, state=CheckpointState.IN_FLIGHT, blocking_s=round(blocking, 6))
+        _upload(resp).add_done_callback(lambda done, f=f: self._written(f, done))
 
     def maybe_wait_for_staging(self) -> None:
         """Right before ``optimizer.step()``: the staging copy must finish before the step mutates state."""
@@ -522,12 +527,14 @@ class Checkpointer:
         f.staged = True
 
     def poll(self) -> None:
-        """Once per step (a step boundary): time the step, and commit the in-flight save if it is done;
-        never blocks."""
+        """Once per step (a step boundary): time the step, and let go of the in-flight save once it
+        ended (committed by ``_written``, off the loop); raise its failure. Never blocks, and makes no
+        system call: on a node whose cores are all busy, one is where the step loses the core."""
         self._tick()
         f = self._in_flight
-        if f is not None and _upload(f.response).done():
-            self.wait()
+        if f is not None and f.ended.is_set():
+            self._in_flight = None
+            self._report_ended(f)
 
     def _tick(self) -> None:
         """A step ended: its time counts against the in-flight save (interference), or as a baseline
@@ -551,19 +558,38 @@ class Checkpointer:
             return
         self.maybe_wait_for_staging()
         self._in_flight = None
-        t0 = time.perf_counter()
+        if not f.ended.is_set():
+            self._tainted = True  # the step that waited here is not a baseline step
+            t0 = time.perf_counter()
+            f.ended.wait()
+            f.blocking_s += time.perf_counter() - t0
+        self._report_ended(f)
+
+    def _written(self, f: _InFlight, done: Any) -> None:
+        """The save's write ended (DCP's executor thread, or the thread that collects the saver
+        process's answer): make it durable here, off the training loop (an fsync, the iteration file,
+        the old checkpoints' deletion). The marker needs no ``atomic()`` section: an in-process restart
+        interrupts only the main thread. The loop reports it at its next step (``_report_ended``)."""
         try:
-            _upload(f.response).result()
-        except Exception as e:
+            done.result()
+            f.bytes = self._make_durable(f.step, atomic=False)
+        except BaseException as e:  # noqa: BLE001 - handed to the loop (poll/wait) or to abandon
+            f.error = e
+        finally:
+            f.write_s = time.perf_counter() - f.started_at
+            f.ended.set()
+
+    def _report_ended(self, f: _InFlight) -> None:
+        """On the loop: the ended save's event; its failure raised. Its interference counts the steps
+        up to this one (the step in which the write ended overlapped it too)."""
+        if f.error is not None:
             self._emit(step=f.step, mode=CheckpointMode.ASYNC, state=CheckpointState.FAILED,
-                       detail=repr(e)[:500])
-            raise
-        f.blocking_s += time.perf_counter() - t0
+                       detail=repr(f.error)[:500])
+            raise f.error
         interference = f.interference_s()
-        self._tainted = True  # the step that waited here is not a baseline step
-        self._commit(f.step, CheckpointMode.ASYNC, blocking_s=f.blocking_s,
-                     write_s=time.perf_counter() - f.started_at,
-                     interference_s=None if interference is None else round(interference, 6))
+        self._emit(step=f.step, mode=CheckpointMode.ASYNC, state=CheckpointState.DURABLE,
+                   blocking_s=round(f.blocking_s, 6), write_s=round(f.write_s, 6), bytes=f.bytes,
+                   interference_s=None if interference is None else round(interference, 6))
 
     def abandon(self, timeout_s: float = 10.0) -> None:
         """After a fault (process groups aborted): let the in-flight save end, commit it only if it
@@ -572,17 +598,15 @@ class Checkpointer:
         self._in_flight = None
         if f is None:
             return
-        try:
-            _upload(f.response).result(timeout=timeout_s)
-        except Exception as e:
-            if self.saver:  # it may be stuck in the save (a peer rank never sent its part): end it
-                stop_saver()
-            self._emit(step=f.step, mode=CheckpointMode.ASYNC, state=CheckpointState.ABANDONED,
-                       detail=f"restart: {e!r}"[:500])
+        if f.ended.wait(timeout_s) and f.error is None:  # ``_written`` made it durable
+            self._emit(step=f.step, mode=CheckpointMode.ASYNC, state=CheckpointState.DURABLE,
+                       blocking_s=round(f.blocking_s, 6), write_s=round(f.write_s, 6), bytes=f.bytes)
             return
-        with contextlib.suppress(Exception):
-            self._commit(f.step, CheckpointMode.ASYNC, blocking_s=f.blocking_s,
-                         write_s=time.perf_counter() - f.started_at)
+        if self.saver:  # it may be stuck in the save (a peer rank never sent its part): end it
+            stop_saver()
+        why = f.error if f.error is not None else TimeoutError(f"still writing after {timeout_s} s")
+        self._emit(step=f.step, mode=CheckpointMode.ASYNC, state=CheckpointState.ABANDONED,
+                   detail=f"restart: {why!r}"[:500])
 
     def close(self) -> None:
         if self._stager is not None:
@@ -597,21 +621,27 @@ class Checkpointer:
             self._stager = _snapshot_stager(self.memory, shared=self.saver)
         return self._stager
 
-    def _commit(self, step: int, mode: CheckpointMode, *, blocking_s: float, write_s: float,
-                interference_s: float | None = None) -> None:
+    def _commit(self, step: int, mode: CheckpointMode, *, blocking_s: float, write_s: float) -> None:
+        """A sync save, on the loop: make it durable and report it."""
+        size = self._make_durable(step, atomic=True)
+        self._emit(step=step, mode=mode, state=CheckpointState.DURABLE, blocking_s=round(blocking_s, 6),
+                   write_s=round(write_s, 6), bytes=size)
+
+    def _make_durable(self, step: int, *, atomic: bool) -> int | None:
+        """Rank 0: the durable marker (fsynced), the iteration file, keep-K; the checkpoint's size."""
         if self.rank != 0:
-            return
+            return None
         path = step_dir(self.root, step)
-        # Inside atomic(): an in-process restart cannot interleave with placing the marker.
-        with self._atomic():
+        # On the loop, inside atomic(): an in-process restart cannot interleave with placing the marker.
+        with self._atomic() if atomic else contextlib.nullcontext():
             with open(os.path.join(path, COMMITTED), "w") as f:
                 f.write(f"{time.time()}\n")
                 f.flush()
                 os.fsync(f.fileno())
         write_iteration_file(self.root, step)
-        self._emit(step=step, mode=mode, state=CheckpointState.DURABLE, blocking_s=round(blocking_s, 6),
-                   write_s=round(write_s, 6), bytes=dir_bytes(path), interference_s=interference_s)
+        size = dir_bytes(path)
         self._gc()
+        return size
 
     def _gc(self) -> None:
         """Keep the newest ``keep`` durable checkpoints; drop older ones and torn ones older than them."""

@@ -1,6 +1,8 @@
 """Stragglers from real launches (2 ranks, gloo on CPU): the ranks' busy_s, judged by the control plane's
 rule as the batches arrive, finds the slow_rank drill's rank and nobody in a clean run."""
 
+import time
+
 import pytest
 
 from controlplane.jobs.spec import Drill, JobSpec
@@ -39,21 +41,36 @@ def test_it_marks_the_slowed_rank_after_its_drill(tmp_path, receiver):
     assert not [e for b in batches for e in b["events"] if e["kind"] == "fault"]
 
 
-def test_an_attempts_first_window_is_warm_up(monkeypatch):
-    """No busy_s until the window is full (again after a restart): warm-up steps are slower on every rank,
-    and ranks judged at different points of that falling curve would differ by more than the margin."""
-    clock = {"t": 100.0}
-    monkeypatch.setattr("trainer.straggler.time.monotonic", lambda: clock["t"])
-    busy = BusyClock(window_s=2.0)
-
-    def steps(n):
-        out = []
-        for _ in range(n):
-            clock["t"] += 0.25
-            out.append(busy.step())
-        return out
-
-    first = steps(12)  # 3 s of steps
-    assert first[:8] == [None] * 8 and all(v is not None and v >= 0 for v in first[8:]), first
+def test_an_attempts_first_window_is_warm_up():
+    """No busy_s until a window has passed (again after a restart): warm-up steps are slower on every
+    rank, and ranks judged at different points of that falling curve would differ by more than the margin."""
+    busy = BusyClock(window_s=2.0, sample_s=0.25, thread=False)
+    t = cpu = 100.0
+    seen = []
+    for i in range(16):  # 4 s: a step every 0.25 s costing 0.1 s of CPU, then a sample
+        seen.append(busy.step())
+        t, cpu = t + 0.25, cpu + 0.1
+        busy.sample(now=t, cpu=cpu)
+    assert seen[:9] == [None] * 9 and seen[9:] == [pytest.approx(0.1)] * 7, seen
     busy.reset()
-    assert steps(8) == [None] * 8 and steps(1)[0] is not None
+    assert busy.step() is None
+    busy.sample(now=t + 0.25, cpu=cpu + 0.1)
+    assert busy.step() is None  # the new attempt's window has just begun
+
+
+def test_the_sampler_reads_the_training_threads_cpu_time():
+    """The real clock: the sampler thread reads the stepping thread's CPU time, not its own."""
+    busy = BusyClock(window_s=1.0, sample_s=0.05)
+    values = []
+    try:
+        end = time.monotonic() + 2.0
+        while time.monotonic() < end:
+            spin_until = time.thread_time() + 0.01  # 10 ms of this thread's CPU per step
+            while time.thread_time() < spin_until:
+                pass
+            values.append(busy.step())
+    finally:
+        busy.close()
+    measured = [v for v in values if v is not None]
+    assert values[0] is None and measured, values[:5]
+    assert 0.008 <= measured[-1] <= 0.015, measured[-5:]
