@@ -207,15 +207,15 @@ class CheckpointAPI:
 class Context:
     """What the entrypoint receives, once per attempt (``iteration`` counts in-process restarts)."""
 
-    def __init__(self, *, session: Session | None, scope: Any, impl: UserRun | None):
+    def __init__(self, *, session: Session | None, scope: Any, impl: UserRun | None, pacer: Any = None):
         self.session, self.scope, self._impl = session, scope, impl
+        self._pacer = pacer  # sends the in-process layer's progress pings from a thread (PacedPing)
         self.iteration: int = getattr(scope, "iteration", 0)
         self.ckpt_pg: Any = None
         self._ctl_pg: Any = None
         self._control: Control | None = None
         self._stop = False
         self._last_t: float | None = None
-        self._pinged = 0.0
         self._first = True
         self.resumed_from = 0
         self.checkpoint = CheckpointAPI(self if session is not None else None)
@@ -292,8 +292,9 @@ class Context:
             s.record_fault(FaultClass.NAN_LOSS, f"loss {loss} at step {step}")
             raise NanLossError(f"loss is {loss} at step {step}")
         now = time.perf_counter()
-        if now - self._pinged >= PING_EVERY_S:  # NVRx's ping is a queue put to its monitor: ~0.4 ms
-            self._pinged = now
+        if self._pacer is not None:
+            self._pacer.tick()
+        else:
             self.scope.ping()
         s.ft.heartbeat()
         busy = impl.busy.step()
@@ -354,7 +355,7 @@ def run(fn: Callable[[Context], Any], impl: UserRun | None) -> Any:
         raise RuntimeError(PG_BEFORE_ENTRYPOINT)
     if impl is None:
         return fn(Context(session=None, scope=None, impl=None))
-    from trainer.resilience import NullFt, wrap_loop
+    from trainer.resilience import NullFt, PacedPing, wrap_loop
 
     impl.upgrade(level=2)
     cfg, env = impl.cfg, impl.env
@@ -364,8 +365,11 @@ def run(fn: Callable[[Context], Any], impl: UserRun | None) -> Any:
                       ft=impl.ft or NullFt(), inbox=impl.inbox if env.initial_rank == 0 else None,
                       device=pick_device(cfg, env))
 
+    pacer = PacedPing(PING_EVERY_S)
+
     def attempt(scope: Any) -> Any:
-        ctx = Context(session=session, scope=scope, impl=impl)
+        ctx = Context(session=session, scope=scope, impl=impl, pacer=pacer)
+        pacer.arm(scope)
         try:
             result = fn(ctx)
         except BaseException as e:
@@ -373,7 +377,12 @@ def run(fn: Callable[[Context], Any], impl: UserRun | None) -> Any:
             with contextlib.suppress(Exception):
                 e._unbroken_traceback = exception_text(e, (cfg.token,))  # type: ignore[attr-defined]
             raise
+        finally:
+            pacer.disarm()
         ctx._finish()
         return result
 
-    return wrap_loop(session, attempt)()
+    try:
+        return wrap_loop(session, attempt)()
+    finally:
+        pacer.stop()
