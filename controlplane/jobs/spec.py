@@ -10,8 +10,12 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from trainer.config import TrainConfig
 from trainer.policy import PolicyError, Rule, parse_rules
 from trainer.wire import DrillFault
+
+# The in-process layer's hard timeout, as the trainer defaults it (a spec does not set it).
+_TRAINER_HARD_TIMEOUT_S: float = next(f.default for f in dataclasses.fields(TrainConfig) if f.name == "hard_timeout")
 
 PRESETS = ("tiny", "small", "1b")
 BACKENDS = ("local", "kubernetes")
@@ -223,6 +227,10 @@ class JobSpec:
             errors["args"] = "at most 256 arguments and 16 KiB in all"
         elif self.args and not self.entrypoint:
             errors["args"] = "arguments go to your own script: set entrypoint too"
+        hard = _TRAINER_HARD_TIMEOUT_S
+        if self.entrypoint and self.in_process and self.in_job and not self.step_timeout_s > hard:
+            errors["step_timeout_s"] = (f"must be more than {hard:g} s, the in-process layer's hard timeout: "
+                                        "ft_launcher must not end a rank the in-process layer can still restart")
         if self.working_dir and (type(self.working_dir) is not str or not self.working_dir.startswith("/")
                                  or "\x00" in self.working_dir):
             errors["working_dir"] = "must be an absolute directory path, e.g. /home/me/project"

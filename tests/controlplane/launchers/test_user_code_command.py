@@ -46,6 +46,7 @@ def test_in_process_restart_is_off_for_ones_own_code_unless_asked():
     ({"entrypoint": "t.py", "args": "--lr 1"}, "args", "list of strings"),
     ({"entrypoint": "t.py", "working_dir": "rel/dir"}, "working_dir", "absolute"),
     ({"entrypoint": "t.py", "env": {"WANDB_API_KEY": "x"}}, "env", "looks like a secret"),
+    ({"entrypoint": "t.py", "in_process": True, "step_timeout_s": 8}, "step_timeout_s", "hard timeout"),
     ({"entrypoint": "t.py", "env": {"MASTER_PORT": "1"}}, "env", "set by the launcher"),
     ({"entrypoint": "t.py", "env": {"1BAD": "x"}}, "env", "names must be like"),
     ({"entrypoint": "t.py", "drills": [{"step": 5, "fault": "hang_collective", "rank": 0}]}, "drills[0].fault",
