@@ -2,13 +2,13 @@
 
 In lock-step training every rank's wall step time is the same: the ranks that are not slow wait for the
 slow one inside the next collective. What sets a straggler apart is its own work, so each step is also
-measured as CPU seconds of the training thread (``time.thread_time``: a wait for a peer blocks and costs
-none, and time the OS gave another process is not counted either). Each heartbeat carries the mean over
-the job's straggler window (``--straggler-window``), so one slow step (a checkpoint's staging) does not
-mark a rank; the control plane compares it with the median of the other ranks'. An attempt's first window
-is warm-up (allocator, caches, the restore): the beats carry no ``busy_s`` until a window has passed, since
-ranks whose beats arrive a moment apart would otherwise be compared on a falling curve at different points
-and the one seen later would look slower.
+measured as CPU seconds of the training thread (its CPU-time clock, read by a sampler thread: a wait
+for a peer blocks and costs none, and time the OS gave another process is not counted either). Each
+heartbeat carries the mean over the job's straggler window (``--straggler-window``), so one slow step (a
+checkpoint's staging) does not mark a rank; the control plane compares it with the median of the other
+ranks'. An attempt's first window is warm-up (allocator, caches, the restore): the beats carry no
+``busy_s`` until a window has passed, since ranks whose beats arrive a moment apart would otherwise be
+compared on a falling curve at different points and the one seen later would look slower.
 
 The ``slow_rank`` drill makes a rank a straggler on purpose: from its step on, the rank spends an extra
 ``fraction`` of its own work per step busy (a CPU spin on the training thread, as a slower processor
