@@ -455,8 +455,13 @@ def main(argv: list[str] | None = None) -> int:
         hooks.install(nvrx_compat.launcher_agent_class())
         run_launcher = None
         if os.environ.get("UNBROKEN_FORK_RANKS", "1") != "0":
+            from trainer import preload
             from trainer.shim import entry
-            run_launcher = nvrx_compat.launcher_main_forked(entry, preload=[entry.__module__])
+
+            # The fork server imports what every rank imports anyway (trainer.preload): new ranks of an
+            # in-job restart start without FSDP2's, DCP's or the script's packages' import time.
+            os.environ[preload.ENV] = ",".join(preload.modules_for(ns.entrypoint, os.getcwd()))
+            run_launcher = nvrx_compat.launcher_main_forked(entry, preload=[entry.__module__, preload.__name__])
         name = f"ft_launcher (nvidia-resiliency-ext {nvrx_compat.version_str()})"
         if run_launcher is None:
             run_launcher = nvrx_compat.launcher_main()
