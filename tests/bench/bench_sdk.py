@@ -17,6 +17,10 @@
 
     python tests/bench/bench_sdk.py [--runs 3] [--steps 300]
 
+- In-run A/B: one more SDK run whose loop skips the per-step calls in every other window of 25 steps,
+  so the same processes and threads run throughout; its two medians separate the calls' share of R
+  from the rest of the product's process tree (launcher, NVRx monitors, reporter, saver threads).
+
 Last line: sdk_step_overhead_p99_ms=<P> sdk_overhead_ratio=<R> level0_fault_detect_s=<D>
 """
 
@@ -85,6 +89,26 @@ def run_sdk(steps: int, recv: Receiver) -> tuple[list[float], list[float]]:
     return _read(out)
 
 
+def run_ab(steps: int, recv: Receiver, window: int = 25) -> tuple[float, float]:
+    """One SDK run whose loop skips the SDK's per-step calls in every other window of ``window`` steps:
+    the same processes and threads run throughout, so the two medians compare the calls alone."""
+    run_dir = Path(tempfile.mkdtemp(prefix="bench-sdk-ab-"))
+    out = run_dir / "times"
+    r = launch(run_dir, trainer_flags=["--in-process", "--steps", str(steps), "--ckpt-interval", "20"],
+               report_url=recv.url, timeout_s=600, entrypoint=str(WORKLOAD), report_interval=1.0,
+               user_args=["--steps", str(steps), "--out", str(out), "--alternate", str(window)])
+    if r.rc != 0:
+        raise SystemExit(f"SDK A/B run failed (rc {r.rc}):\n{r.log[-3000:]}")
+    on, off = [], []
+    for f in sorted(out.glob("rank*.json")):
+        d = json.loads(f.read_text())
+        for i, (s, saved, calls) in enumerate(zip(d["step_s"], d["saved"], d["calls"], strict=True)):
+            if i < SKIP_WARMUP or saved or (i > 0 and d["saved"][i - 1]) or i % window < 2:
+                continue  # warm-up, checkpoint steps, and each window's first steps (the switch)
+            (on if calls else off).append(s)
+    return statistics.median(on), statistics.median(off)
+
+
 def level0_detect(recv: Receiver) -> float:
     run_dir = Path(tempfile.mkdtemp(prefix="bench-sdk-l0-"))
     r = launch(run_dir, trainer_flags=["--no-in-process", "--steps", "400", "--drill", "150:sigkill:1"],
@@ -131,6 +155,14 @@ def main() -> int:
               f"Level-0 kill -> fault {detects[-1]:.2f} s", flush=True)
     print(f"pair ratios {', '.join(f'{r:.3f}' for r in sorted(ratios))} (this VM's step time drifts by up to "
           f"~20% between minutes: see the spread)", flush=True)
+    recv = Receiver().start()
+    try:
+        on, off = run_ab(2 * a.steps, recv)
+    finally:
+        recv.stop()
+    print(f"in one SDK run, windows of 25 steps with and without the per-step calls: {on * 1e3:.2f} / "
+          f"{off * 1e3:.2f} ms (ratio {on / off:.3f}): the rest of R is the product's processes and threads",
+          flush=True)
     print(f"sdk_step_overhead_p99_ms={pct(sdk_all, 0.99) * 1e3:.3f} sdk_overhead_ratio={statistics.median(ratios):.3f} "
           f"level0_fault_detect_s={statistics.median(detects):.2f}", flush=True)
     return 0

@@ -30,28 +30,34 @@ def args() -> argparse.Namespace:
     p.add_argument("--out", required=True)
     p.add_argument("--plain", action="store_true")
     p.add_argument("--ckpt-every", type=int, default=20, help="plain mode: sync DCP saves this often")
+    p.add_argument("--alternate", type=int, default=0,
+                   help="SDK mode: skip the SDK's per-step calls in every other window of this many steps "
+                        "(the same processes and threads run either way: an A/B of the calls alone)")
     return p.parse_args()
 
 
 def loop(a, rank, model, opt, start, sdk) -> None:
     vocab = 512
-    step_s, sdk_s, saved = [], [], []
+    step_s, sdk_s, saved, calls = [], [], [], []
     t_prev = time.perf_counter()
     for step in range(start, a.steps):
         x, y = example.batch(step, rank, vocab, n=512)
         loss = F.cross_entropy(model(x), y)
         loss.backward()
+        on = sdk is not None and not (a.alternate and (step // a.alternate) % 2)
         t_sdk = time.perf_counter()
-        if sdk is not None:
+        if on:
             sdk.checkpoint.wait_for_staging()
         spent = time.perf_counter() - t_sdk
         opt.step()
         opt.zero_grad()
         t_sdk = time.perf_counter()
         did_save = False
-        if sdk is not None:
+        if on:
             sdk.step(step + 1, loss=loss.item())
             did_save = sdk.checkpoint.maybe_save(step + 1)
+        elif sdk is not None:
+            loss.item()
         else:
             loss.item()  # the same host sync the SDK call implies
             if (step + 1) % a.ckpt_every == 0:  # the plain script checkpoints itself (sync DCP)
@@ -63,9 +69,10 @@ def loop(a, rank, model, opt, start, sdk) -> None:
         step_s.append(now - t_prev)
         sdk_s.append(spent)
         saved.append(did_save)
+        calls.append(on)
         t_prev = now
     Path(a.out).mkdir(parents=True, exist_ok=True)
-    (Path(a.out) / f"rank{rank}.json").write_text(json.dumps({"step_s": step_s, "sdk_s": sdk_s, "saved": saved, "async": sdk is not None,
+    (Path(a.out) / f"rank{rank}.json").write_text(json.dumps({"step_s": step_s, "sdk_s": sdk_s, "saved": saved, "calls": calls, "async": sdk is not None,
                                                                "threads": torch.get_num_threads()}))
 
 
