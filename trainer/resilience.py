@@ -400,7 +400,9 @@ def build_in_process_wrapper(session: Session) -> Any:
         # ranks to land in the records): every in-process recovery pays it.
         last_call_wait=td(0.05),
         termination_grace_time=td(2.0),
-        monitor_process_logfile=os.path.join(log_dir, "inprocess_monitor_{rank}.log"),
+        # One file per in-job round: the next round's monitor would truncate the one that saw the fault.
+        monitor_process_logfile=os.path.join(
+            log_dir, f"inprocess_monitor_{{rank}}_a{cfg.attempt}_ij{env.restart_count}.log"),
     )
     return nvrx_compat.in_process_wrapper(cpu=session.device.type == "cpu", **kwargs)
 

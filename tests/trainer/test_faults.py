@@ -61,6 +61,10 @@ def test_it_recovers_and_matches_the_uninterrupted_loss(tmp_path, receiver, base
     assert marks["fault_at"]["at"] <= marks["detected_at"]["at"] <= marks["first_step_at"]["at"]
     finished = receiver.events("rank_finished")
     assert sorted(e["rank"] for e in finished) == [0, 1]
+    if in_job_flag:  # the in-process monitor's log of each in-job round is kept, not overwritten by the next
+        rounds = (0, 1) if cycle == "a0-ij1" else (0,)
+        assert sorted(p.name for p in (tmp_path / "logs").glob("inprocess_monitor_1_*.log")) == [
+            f"inprocess_monitor_1_a0_ij{r}.log" for r in rounds]
     started = [e["data"]["message"] for e in receiver.events("launcher") if e["data"]["message"].startswith("starting")]
     assert started and all("ranks forked from a warm fork server" in m for m in started), started
 
