@@ -292,10 +292,7 @@ class Context:
             s.record_fault(FaultClass.NAN_LOSS, f"loss {loss} at step {step}")
             raise NanLossError(f"loss is {loss} at step {step}")
         now = time.perf_counter()
-        if self._pacer is not None:
-            self._pacer.tick()
-        else:
-            self.scope.ping()
+        self._pacer.tick()  # every attempt of a session has one (run)
         s.ft.heartbeat()
         busy = impl.busy.step()
         dt = None if self._last_t is None else now - self._last_t
