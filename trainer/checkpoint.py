@@ -20,6 +20,12 @@ process, so it outlives an in-process restart): ``load`` restores from it instea
 every rank holds a complete snapshot of the same step and no durable checkpoint is newer. A snapshot
 is complete once its staging finished; while the next save is staging (the stager reuses its
 buffers) there is none, and the load falls back to the newest durable checkpoint.
+
+With a node-local directory (``LocalCopy``: shared memory or a local disk), each rank also keeps a copy
+of its newest durable async save there, written from the staged copy by the writer thread after the
+save is durable. New processes on the same node (an in-job restart) restore from it instead of the
+durable checkpoint (a network volume on Kubernetes) when every rank finds its own copy of the same
+step, at least the durable one's; otherwise from the durable checkpoint.
 """
 
 from __future__ import annotations
@@ -120,6 +126,90 @@ class MemorySnapshot:
     def get(self) -> tuple[int | None, dict[str, Any] | None]:
         with self._lock:
             return self._step, self._state
+
+
+_LOCAL_FILE = re.compile(r"step_(\d+)\.w(\d+)\.pt")
+
+
+def _local_tree(x: Any) -> Any:
+    """A staged state dict with every DTensor replaced by its local shard (what this rank restores)."""
+    if isinstance(x, dict):
+        return {k: _local_tree(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        items = [_local_tree(v) for v in x]
+        return type(x)(items) if isinstance(x, tuple) else items
+    if isinstance(x, DTensor):
+        return x.to_local()
+    return x
+
+
+def _tensor_bytes(x: Any) -> int:
+    if isinstance(x, dict):
+        return sum(_tensor_bytes(v) for v in x.values())
+    if isinstance(x, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in x)
+    if isinstance(x, torch.Tensor):
+        return x.numel() * x.element_size()
+    return 0
+
+
+class LocalCopy:
+    """This rank's copy of its newest durable async save in a node-local directory, for the new
+    processes of an in-job restart on the same node. One file per step (``step_<N>.w<world>.pt``),
+    written under a temporary name and renamed, so a file that exists is complete; only the newest
+    is kept. No fsync: the copy only has to outlive the processes, not the node (the page cache does).
+    A copy that would not fit (free space under its size plus the one it replaces) is skipped, once
+    said in the log, and restarts read the durable checkpoint."""
+
+    def __init__(self, root: str, *, rank: int, world: int):
+        self.dir, self.rank, self.world = os.path.join(root, f"rank{rank}"), rank, world
+        os.makedirs(self.dir, exist_ok=True)
+        self._warned = False
+
+    def _path(self, step: int) -> str:
+        return os.path.join(self.dir, f"step_{step:09d}.w{self.world}.pt")
+
+    def newest(self) -> int | None:
+        """The newest step this rank holds a copy of (for this world size), or None."""
+        steps = []
+        with contextlib.suppress(OSError):
+            for name in os.listdir(self.dir):
+                m = _LOCAL_FILE.fullmatch(name)
+                if m and int(m.group(2)) == self.world:
+                    steps.append(int(m.group(1)))
+        return max(steps) if steps else None
+
+    def write(self, step: int, staged: dict[str, Any]) -> bool:
+        """Copy ``staged`` (the save's staged state dict) as this rank's copy of ``step``; drop older
+        copies. False (and nothing written) when it would not fit; raises only on a write error."""
+        local = _local_tree(staged)
+        need = _tensor_bytes(local)
+        old = [os.path.join(self.dir, n) for n in os.listdir(self.dir) if n != os.path.basename(self._path(step))]
+        room = shutil.disk_usage(self.dir).free + sum(os.path.getsize(p) for p in old if os.path.isfile(p))
+        if need * 1.05 + (1 << 20) > room:
+            for p in old:  # an older copy must not be mistaken for the newest one
+                with contextlib.suppress(OSError):
+                    os.remove(p)
+            if not self._warned:
+                log.warning("node-local checkpoint copy skipped: %d MB needed, %d MB free in %s; in-job restarts "
+                            "will read the durable checkpoint", need >> 20, room >> 20, self.dir)
+                self._warned = True
+            return False
+        for p in old:  # first: the new copy needs their room
+            with contextlib.suppress(OSError):
+                os.remove(p)
+        tmp = self._path(step) + ".tmp"
+        try:
+            torch.save(local, tmp)
+            os.replace(tmp, self._path(step))
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.remove(tmp)
+            raise
+        return True
+
+    def read(self, step: int) -> dict[str, Any]:
+        return torch.load(self._path(step), map_location="cpu", weights_only=False, mmap=True)
 
 
 def _copy_into(dst: Any, src: Any) -> Any:
@@ -415,7 +505,7 @@ class Checkpointer:
 
     def __init__(self, *, root: str, mode: CheckpointMode, keep: int, pg: Any, report: Callable[..., None],
                  atomic: Callable[[], ContextManager[Any]] = contextlib.nullcontext,
-                 memory: MemorySnapshot | None = None, saver: bool | None = None):
+                 memory: MemorySnapshot | None = None, saver: bool | None = None, local_dir: str = ""):
         self.root, self.mode, self.keep, self.pg, self.memory = root, mode, keep, pg, memory
         # Async saves in DCP's THREAD executor, or in the saver process (``UNBROKEN_CKPT_SAVER=process``
         # where this torch has one). Not the default: on a CPU-only node with as many ranks as cores it
@@ -432,6 +522,9 @@ class Checkpointer:
         self._had_saver = False  # this rank's saver was running: if it is gone, it died
         self.restored_from: RestoredFrom | None = None  # where the last load came from
         self.rank = dist.get_rank(pg)
+        # The node-local copy needs the staged copy (the memory snapshot) to copy from.
+        self.local = (LocalCopy(local_dir, rank=dist.get_rank(), world=dist.get_world_size())
+                      if local_dir and memory is not None else None)
         self._report, self._atomic = report, atomic
         self._in_flight: _InFlight | None = None
         self._stager: Any = None
@@ -448,8 +541,10 @@ class Checkpointer:
 
         Rank 0 chooses the durable one (so every rank loads the same one even if a listing races a
         commit) and also reports and removes torn checkpoints left by a restart: they were abandoned,
-        never loaded. One gather of (snapshot step, rank 0's choice) lets every rank agree: memory only
-        when every rank's snapshot has the same step, at least the durable one's.
+        never loaded. One gather of (snapshot step, rank 0's choice, saver alive, node-local copy's
+        step) lets every rank agree: memory only when every rank's snapshot has the same step, at
+        least the durable one's; else the node-local copies on the same terms (and a second gather:
+        every rank read its copy); else the durable checkpoint.
         """
         self.restored_from = None
         durable: int | None = None
@@ -462,7 +557,8 @@ class Checkpointer:
         snap_step, snap = self.memory.get() if self.memory is not None else (None, None)
         views: list[Any] = [None] * dist.get_world_size(self.pg)
         saver_ok = self.saver and _saver_alive()
-        dist.all_gather_object(views, (snap_step, durable, saver_ok), group=self.pg)
+        local_step = self.local.newest() if self.local is not None else None
+        dist.all_gather_object(views, (snap_step, durable, saver_ok, local_step), group=self.pg)
         if self.saver:  # every rank keeps its saver, or every rank starts a new one at the next save
             if all(v[2] for v in views):
                 self._had_saver = True
@@ -476,11 +572,33 @@ class Checkpointer:
             state.load_state_dict(_copy_into(target, snap)["app"])
             self.restored_from = RestoredFrom.MEMORY
             return state.step
+        if self.local is not None and self._load_local(state, {v[3] for v in views}, durable):
+            return state.step
         if durable is None:
             return None
         dcp.load({"app": state}, checkpoint_id=step_dir(self.root, durable), process_group=self.pg)
         self.restored_from = RestoredFrom.DISK
         return state.step
+
+    def _load_local(self, state: Stateful, steps: set[int | None], durable: int | None) -> bool:
+        """Restore from the node-local copies when every rank holds one of the same step, at least the
+        durable one's, and every rank read its own (one more gather); False: load from disk."""
+        assert self.local is not None
+        step = steps.pop() if len(steps) == 1 else None
+        if step is None or (durable is not None and step < durable):
+            return False
+        copy_ = None
+        try:
+            copy_ = self.local.read(step)
+        except Exception as e:  # noqa: BLE001 - every rank falls back to the durable checkpoint
+            log.warning("node-local checkpoint copy of step %d unreadable (%r): loading the durable one", step, e)
+        oks: list[Any] = [None] * dist.get_world_size(self.pg)
+        dist.all_gather_object(oks, copy_ is not None, group=self.pg)
+        if not all(oks):
+            return False
+        state.load_state_dict(_copy_into({"app": state.state_dict()}, copy_)["app"])
+        self.restored_from = RestoredFrom.LOCAL
+        return True
 
     # -- save ---------------------------------------------------------------------------------------
 
@@ -575,9 +693,25 @@ class Checkpointer:
             f.bytes = self._make_durable(f.step, atomic=False)
         except BaseException as e:  # noqa: BLE001 - handed to the loop (poll/wait) or to abandon
             f.error = e
+        else:
+            self._copy_locally(f.step)
         finally:
             f.write_s = time.perf_counter() - f.started_at
             f.ended.set()
+
+    def _copy_locally(self, step: int) -> None:
+        """After a durable async save, on its writer thread: the node-local copy, from the staged copy
+        (the next save's staging waits for this one to end, so the buffers still hold ``step``). A
+        failure costs only the copy (restarts read the durable checkpoint)."""
+        if self.local is None or self.memory is None:
+            return
+        snap_step, snap = self.memory.get()
+        if snap_step != step or snap is None:
+            return
+        try:
+            self.local.write(step, snap)
+        except Exception as e:  # noqa: BLE001
+            log.warning("node-local checkpoint copy of step %d failed: %r", step, e)
 
     def _report_ended(self, f: _InFlight) -> None:
         """On the loop: the ended save's event; its failure raised. Its interference counts the steps

@@ -7,6 +7,7 @@ before it starts any process and to derive the launcher's timeouts from them.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 from dataclasses import dataclass, field
 
@@ -77,6 +78,9 @@ class TrainConfig:
     ckpt_interval: int = 10
     ckpt_mode: CheckpointMode = CheckpointMode.ASYNC
     keep_ckpts: int = 2
+    # A node-local directory (shared memory or a local disk) for each rank's copy of its newest async
+    # save: an in-job restart's new processes restore from it. "" = none (the durable checkpoint only).
+    local_ckpt_root: str = ""
 
     in_process: bool = True
     max_in_process_restarts: int = 16
@@ -170,6 +174,20 @@ class TrainConfig:
         return os.path.join(self.run_dir, "checkpoints")
 
     @property
+    def local_ckpt_dir(self) -> str:
+        """This job attempt's node-local copies ("" = none); the launcher removes it when it exits."""
+        if not self.local_ckpt_root:
+            return ""
+        return os.path.join(self.local_ckpt_root, f"{self.local_ckpt_prefix}{self.attempt}")
+
+    @property
+    def local_ckpt_prefix(self) -> str:
+        """The node-local copies' directory name without the attempt: the job and its run directory
+        (two control planes on one machine can both have a job 1)."""
+        run = hashlib.sha1(os.path.abspath(self.run_dir).encode()).hexdigest()[:10]
+        return f"{self.job_id or 'job'}-{run}-a"
+
+    @property
     def spool_dir(self) -> str:
         return os.path.join(self.run_dir, "spool")
 
@@ -198,6 +216,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--ckpt-interval", type=int, default=10, help="save every K steps; 0 = only the final/stop checkpoint")
     a("--ckpt-mode", default="async", choices=[m.value for m in CheckpointMode])
     a("--keep-ckpts", type=int, default=2)
+    a("--local-ckpt-dir", default=None,
+      help="node-local directory (e.g. /dev/shm/unbroken) for each rank's copy of its newest async save, which "
+           "in-job restarts restore from (env UNBROKEN_LOCAL_CKPT_DIR; empty: off)")
     a("--in-process", action=argparse.BooleanOptionalAction, default=True,
       help="NVRx in-process restart (inprocess.Wrapper)")
     a("--max-in-process-restarts", type=int, default=16)
@@ -230,6 +251,7 @@ def parse_config(argv: list[str] | None = None, env: dict[str, str] | None = Non
     return TrainConfig(
         preset=ns.preset, steps=ns.steps, batch_size=ns.batch_size, lr=ns.lr, seed=ns.seed, device=ns.device,
         ckpt_interval=ns.ckpt_interval, ckpt_mode=ns.ckpt_mode, keep_ckpts=ns.keep_ckpts,
+        local_ckpt_root=ns.local_ckpt_dir if ns.local_ckpt_dir is not None else env.get("UNBROKEN_LOCAL_CKPT_DIR", ""),
         in_process=ns.in_process, max_in_process_restarts=ns.max_in_process_restarts,
         soft_timeout=ns.soft_timeout, hard_timeout=ns.hard_timeout, step_timeout=ns.step_timeout,
         ckpt_timeout=ns.ckpt_timeout, startup_timeout=ns.startup_timeout,

@@ -155,7 +155,7 @@ class CheckpointAPI:
         self._state = _AppState(model=model, optim=optim, extra=stateful, rank=dist.get_rank())
         self._checkpointer = Checkpointer(root=s.cfg.ckpt_dir, mode=s.cfg.ckpt_mode, keep=s.cfg.keep_ckpts,
                                           pg=ctx.ckpt_pg, report=s.reporter.event, atomic=ctx.scope.atomic,
-                                          memory=s.snapshot)
+                                          memory=s.snapshot, local_dir=s.cfg.local_ckpt_dir)
         s.checkpointer = self._checkpointer
         s.reporter.heartbeat(step=0, phase=Phase.CHECKPOINT_LOAD)
         with ctx._impl.keep_alive():  # type: ignore[union-attr]

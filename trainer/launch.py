@@ -35,6 +35,7 @@ import json
 import logging
 import os
 import platform
+import shutil
 import signal
 import sys
 import time
@@ -385,6 +386,17 @@ def sweep_children(timeout_s: float = 5.0, *, spare: int | None = None) -> None:
             pass
 
 
+def forget_local_copies(cfg: TrainConfig) -> None:
+    """Remove the node-local checkpoint copies of this job's earlier attempts (a launcher that was
+    killed could not): a job-level restart resumes from the durable checkpoint."""
+    if not cfg.local_ckpt_root or not os.path.isdir(cfg.local_ckpt_root):
+        return
+    mine, prefix = os.path.basename(cfg.local_ckpt_dir), cfg.local_ckpt_prefix
+    for name in os.listdir(cfg.local_ckpt_root):
+        if name.startswith(prefix) and name[len(prefix):].isdigit() and name != mine:
+            shutil.rmtree(os.path.join(cfg.local_ckpt_root, name), ignore_errors=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore", message=".*pynvml.*")
     logging.basicConfig(level=logging.INFO, stream=sys.stdout,
@@ -403,6 +415,7 @@ def main(argv: list[str] | None = None) -> int:
 
     cfg.run_dir = os.path.abspath(cfg.run_dir)
     os.makedirs(cfg.run_dir, exist_ok=True)
+    forget_local_copies(cfg)
     if ns.workdir:
         os.chdir(ns.workdir)  # the ranks (and the fork server) inherit it
     app_port, wrapper_port = ns.rdzv_port + APP_STORE_OFFSET, ns.rdzv_port + WRAPPER_STORE_OFFSET
@@ -499,6 +512,8 @@ def main(argv: list[str] | None = None) -> int:
         elif hooks.policy is not None:  # ft_launcher may return normally after the group it gave up on
             rc = EXIT_POLICY_STOP if hooks.policy.action != Action.RESTART_JOB else (rc or 1)
         sweep_children(spare=agent.pid if agent is not None else None)
+        if cfg.local_ckpt_dir:  # the node-local copies serve this attempt's in-job restarts only
+            shutil.rmtree(cfg.local_ckpt_dir, ignore_errors=True)
         reporter.event(EventKind.LAUNCHER, {
             "message": f"launcher exiting with status {rc} after {time.monotonic() - t0:.1f} s",
             "exit_code": rc}, rank=None)

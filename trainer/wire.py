@@ -149,6 +149,7 @@ class RestoredFrom(StrEnum):
     """Where a restart's state came from (the ``checkpoint_loaded_at`` cycle mark's ``restored_from``)."""
 
     MEMORY = "memory"  # the newest staged snapshot in host memory (in-process restarts)
+    LOCAL = "local"  # this node's copy of the newest durable async save (in-job restarts)
     DISK = "disk"  # the newest durable checkpoint
 
 

@@ -90,6 +90,9 @@ class JobForm(forms.Form):
     checkpoint_interval = forms.IntegerField(min_value=1, help_text="steps between checkpoints")
     checkpoint_mode = forms.ChoiceField(choices=[(m, m) for m in CHECKPOINT_MODES])
     keep_checkpoints = forms.IntegerField(min_value=1)
+    local_checkpoint_copy = forms.BooleanField(
+        required=False, label="Node-local copy of the newest async save",
+        help_text="in-job restarts load it from the node's shared memory instead of the durable checkpoint")
     in_process = forms.BooleanField(required=False, label="In-process restarts (NVRx Wrapper)")
     node_agent = forms.BooleanField(required=False, label="Node agent (one request per node per interval)")
     in_job = forms.BooleanField(required=False, label="In-job restarts (ft_launcher)")

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from trainer.wire import FaultClass
+from trainer.wire import FaultClass, RestoredFrom
 
 STARTING = "starting"
 TRAINING = "training"
@@ -41,6 +41,10 @@ DEAD_CLASSES = frozenset(
     }
 )
 HUNG_CLASSES = frozenset({FaultClass.HANG, FaultClass.STALLED})
+
+#: Where a restart's state came from (wire.RestoredFrom), as the timeline's hover says it.
+RESTORED_FROM_WORDS = {RestoredFrom.MEMORY: "memory", RestoredFrom.LOCAL: "the node-local copy",
+                       RestoredFrom.DISK: "disk"}
 
 
 @dataclass(slots=True)
@@ -122,7 +126,7 @@ def job_spans(
                     stop or end,
                     CHECKPOINT_LOAD,
                     None,
-                    f"{key}: restoring from {c.get('restored_from') or 'checkpoint'}",
+                    f"{key}: restoring from {RESTORED_FROM_WORDS.get(c.get('restored_from') or '', 'checkpoint')}",
                     open=stop is None and is_open,
                 )
             )

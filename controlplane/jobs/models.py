@@ -250,7 +250,7 @@ class RestartCycle(models.Model):
     command = models.ForeignKey("Command", null=True, blank=True, on_delete=models.SET_NULL,
                                 related_name="cycles")
     delivered_at = models.DateTimeField(null=True, blank=True)  # a command's: when the trainer fetched it
-    # Where the restart's state came from (wire.RestoredFrom: memory | disk); "" = not reported.
+    # Where the restart's state came from (wire.RestoredFrom: memory | local | disk); "" = not reported.
     restored_from = models.CharField(max_length=8, blank=True)
     # Set when this layer gave up and a later cycle (by key) recovered instead: e.g. an in-process
     # restart that a SIGKILL cut short, finished by ft_launcher. Its first_step_at is then its last mark.

@@ -125,6 +125,10 @@ class JobSpec:
     checkpoint_interval: int = 20
     checkpoint_mode: str = "async"
     keep_checkpoints: int = 3
+    # Each rank also keeps a copy of its newest async save in the node's shared memory
+    # (``LOCAL_CHECKPOINT_ROOT``): the new processes of an in-job restart load it instead of the
+    # durable checkpoint (a network volume on Kubernetes). A copy that would not fit is skipped.
+    local_checkpoint_copy: bool = True
     # Resilience layers
     in_process: bool = True
     in_job: bool = True

@@ -14,6 +14,8 @@ from trainer import nvrx_compat
 
 TRAINER_LAUNCH = ("python", "-m", "trainer.launch")
 RDZV_PORT = 29500
+#: The node's shared memory (a pod mounts the node's /dev/shm): each rank's copy of its newest async save.
+LOCAL_CHECKPOINT_ROOT = "/dev/shm/unbroken"
 
 
 def _num(x: float) -> str:
@@ -42,6 +44,8 @@ def trainer_args(spec: JobSpec, *, report_url: str = "") -> list[str]:
             "--keep-ckpts", str(spec.keep_checkpoints),
             "--in-process" if spec.in_process else "--no-in-process",
         ]
+    if spec.local_checkpoint_copy and spec.checkpoint_mode == "async":
+        args += ["--local-ckpt-dir", LOCAL_CHECKPOINT_ROOT]
     if spec.in_process:
         args += ["--max-in-process-restarts", str(spec.max_in_process_restarts)]
     args += ["--report-interval", _num(spec.heartbeat_interval_s)]

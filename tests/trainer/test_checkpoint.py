@@ -127,6 +127,73 @@ def test_it_restores_from_the_memory_snapshot_only_when_it_is_complete_and_newes
     ck2.close()
 
 
+def _optim_state(opt):
+    return [v.to_local().clone() if hasattr(v, "to_local") else v.clone()
+            for st in opt.state.values() for v in st.values() if hasattr(v, "clone")]
+
+
+def test_new_processes_restore_from_the_node_local_copy_only_when_it_is_complete_and_newest(tmp_path, one_rank_world):
+    import os
+
+    from trainer.checkpoint import Checkpointer, LocalCopy, MemorySnapshot
+    from trainer.wire import CheckpointMode
+
+    local = str(tmp_path / "local")
+    state, model, opt = _app(0)
+    ck = Checkpointer(root=str(tmp_path / "ckpt"), mode=CheckpointMode.ASYNC, keep=2, pg=one_rank_world,
+                      report=lambda *a, **k: None, memory=MemorySnapshot(), local_dir=local)
+    ck.save(state, 5)
+    ck.wait()  # durable, then copied by the writer thread before the save ends
+    saved, saved_opt = _weights(model), _optim_state(opt)
+    assert os.listdir(f"{local}/rank0") == [f"step_{5:09d}.w1.pt"]
+
+    def new_process(seed):  # an in-job restart: a new process has no memory snapshot
+        st, m, o = _app(seed)
+        c = Checkpointer(root=str(tmp_path / "ckpt"), mode=CheckpointMode.ASYNC, keep=2, pg=one_rank_world,
+                         report=lambda *a, **k: None, memory=MemorySnapshot(), local_dir=local)
+        return c, st, m, o
+
+    ck2, state2, model2, opt2 = new_process(1)
+    assert any(not a.equal(b) for a, b in zip(saved, _weights(model2)))
+    assert ck2.load(state2) == 5 and ck2.restored_from == "local"
+    assert all(a.equal(b) for a, b in zip(saved, _weights(model2)))
+    assert all(a.equal(b) for a, b in zip(saved_opt, _optim_state(opt2)))
+
+    ck2.save(state2, 7, mode=CheckpointMode.SYNC)  # a durable checkpoint newer than the copy: the disk wins
+    ck3, state3, _, _ = new_process(2)
+    assert ck3.load(state3) == 7 and ck3.restored_from == "disk"
+
+    ck3.save(state3, 9)  # async: copied; then the copy is torn (not loadable): the disk, not a crash
+    ck3.wait()
+    assert LocalCopy(local, rank=0, world=1).newest() == 9
+    with open(f"{local}/rank0/step_{9:09d}.w1.pt", "wb") as f:
+        f.write(b"torn")
+    ck4, state4, _, _ = new_process(3)
+    assert ck4.load(state4) == 9 and ck4.restored_from == "disk"
+    # A copy made for another world size (the job was resized) is not this rank's state.
+    os.rename(f"{local}/rank0/step_{9:09d}.w1.pt", f"{local}/rank0/step_{11:09d}.w2.pt")
+    assert LocalCopy(local, rank=0, world=1).newest() is None
+    for c in (ck, ck2, ck3, ck4):
+        c.close()
+
+
+def test_a_node_local_copy_that_would_not_fit_is_skipped_and_no_older_one_is_left(tmp_path, one_rank_world,
+                                                                                 monkeypatch, caplog):
+    import shutil
+    from collections import namedtuple
+
+    from trainer.checkpoint import LocalCopy
+
+    copy_ = LocalCopy(str(tmp_path), rank=0, world=1)
+    state, _, _ = _app(0)
+    assert copy_.write(3, {"app": state.state_dict()}) and copy_.newest() == 3
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda _p: usage(1 << 20, 1 << 20, 0))
+    assert not copy_.write(4, {"app": state.state_dict()})
+    assert copy_.newest() is None  # step 3 is older than the durable step 4: never to be restored
+    assert "node-local checkpoint copy skipped" in caplog.text
+
+
 def test_it_reports_the_steps_an_async_save_slowed_down_as_its_interference(tmp_path, one_rank_world):
     """Interference: the overlapping steps' extra time against the steps just before the save, without
     the blocked time; a sync save reports none (it only blocks)."""

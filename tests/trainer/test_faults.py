@@ -81,6 +81,19 @@ def test_ranks_start_as_fresh_processes_when_forking_is_off(tmp_path, receiver, 
     assert started and not any("fork server" in m for m in started), started
 
 
+def test_an_in_job_restart_restores_from_the_node_local_copy(tmp_path, receiver, baseline):
+    """--local-ckpt-dir: each rank keeps a copy of its newest async save on the node; the new processes
+    of an in-job restart load it instead of the durable checkpoint. The launcher removes it at exit."""
+    local = tmp_path / "shm"
+    run = launch(tmp_path, trainer_flags=[*STEPS, "--drill", "12:sigkill:1", "--local-ckpt-dir", str(local)],
+                 report_url=receiver.url)
+    assert run.rc == 0, run.log[-4000:]
+    assert run.final_loss() == pytest.approx(baseline, rel=1e-5)
+    loaded = cycle_marks(receiver.events(), "a0-ij1")["checkpoint_loaded_at"]["data"]
+    assert (loaded["step"], loaded["restored_from"]) == (10, "local")
+    assert local.is_dir() and not any(local.iterdir())  # this attempt's copies are gone with its launcher
+
+
 def test_it_fails_the_job_when_no_layer_is_on(tmp_path, receiver):
     run = launch(tmp_path, trainer_flags=[*STEPS, "--no-in-process", "--drill", "6:exception:0"], in_job=False,
                  report_url=receiver.url, timeout_s=120)

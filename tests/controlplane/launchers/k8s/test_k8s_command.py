@@ -45,6 +45,20 @@ def test_the_pod_argv_parses_with_the_trainers_own_launcher():
     assert (cfg.job_id, cfg.attempt, cfg.run_dir) == ("42", 1, "/checkpoints/unbroken-42")
     assert cfg.report_url == "http://cp:8000"
     assert [d.key for d in cfg.drills] == ["50:sigkill:100"]
+    # The node-local checkpoint copies: in the node's shared memory (the pod mounts it), per job run.
+    assert cfg.local_ckpt_dir.startswith("/dev/shm/unbroken/42-") and cfg.local_ckpt_dir.endswith("-a1")
+    mounts = {m["mountPath"] for c in manifests.pod_template(spec, job_id=42, attempt=1)["spec"]["containers"]
+              for m in c["volumeMounts"]}
+    assert "/dev/shm" in mounts
+
+
+def test_the_node_local_copy_is_asked_for_only_for_async_checkpoints_and_can_be_turned_off():
+    def asked(spec):
+        return "--local-ckpt-dir" in trainer_args(spec)
+
+    assert asked(JobSpec()) and asked(JobSpec(entrypoint="train.py"))
+    assert not asked(JobSpec(checkpoint_mode="sync"))
+    assert not asked(JobSpec(local_checkpoint_copy=False))
 
 
 @pytest.mark.parametrize("version,no_progress,expected", [
