@@ -38,11 +38,9 @@ def args() -> argparse.Namespace:
 
 def loop(a, rank, model, opt, start, sdk) -> None:
     vocab = 512
-    step_s, sdk_s, saved, calls, writing = [], [], [], [], []
+    step_s, sdk_s, saved, calls = [], [], [], []
     t_prev = time.perf_counter()
     for step in range(start, a.steps):
-        cp = getattr(getattr(sdk, 'checkpoint', None), '_checkpointer', None)
-        writing.append(cp is not None and cp._in_flight is not None)
         x, y = example.batch(step, rank, vocab, n=512)
         loss = F.cross_entropy(model(x), y)
         loss.backward()
@@ -74,7 +72,7 @@ def loop(a, rank, model, opt, start, sdk) -> None:
         calls.append(on)
         t_prev = now
     Path(a.out).mkdir(parents=True, exist_ok=True)
-    (Path(a.out) / f"rank{rank}.json").write_text(json.dumps({"step_s": step_s, "sdk_s": sdk_s, "saved": saved, "calls": calls, "writing": writing, "async": sdk is not None,
+    (Path(a.out) / f"rank{rank}.json").write_text(json.dumps({"step_s": step_s, "sdk_s": sdk_s, "saved": saved, "calls": calls, "async": sdk is not None,
                                                                "threads": torch.get_num_threads()}))
 
 
