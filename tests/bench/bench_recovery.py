@@ -60,9 +60,10 @@ def restored_from(events: list[dict]) -> dict[str, set[str]]:
     return out
 
 
-def run_default(fault: str, offsets: tuple[int, ...], *, interval: int = 20) -> tuple[list[float], list[str]]:
-    """One job with the default spec and a drill at each offset after a save: (recoveries, restored_from
-    of the in-process ones)."""
+def run_default(fault: str, offsets: tuple[int, ...], *, interval: int = 20
+                ) -> tuple[list[float], list[tuple[str, str]]]:
+    """One job with the default spec and a drill at each offset after a save: (recoveries, (layer,
+    restored_from) of each restart: memory|local|disk, "none" when a cycle did not report it)."""
     drills = [(interval * (i + 1) + off, fault, 1) for i, off in enumerate(offsets)]
     flags = default_flags(drills, steps=interval * (len(offsets) + 1) + interval // 2)
     recv = Receiver().start()
@@ -78,8 +79,8 @@ def run_default(fault: str, offsets: tuple[int, ...], *, interval: int = 20) -> 
         events = recv.events()
         layers = layers_of(events)
         sources = restored_from(events)
-        in_process = [next(iter(sources.get(c, {"none"}))) for c, ls in layers.items() if ls == {"in_process"}]
-        return recoveries(events), in_process
+        return recoveries(events), [("+".join(sorted(ls)), next(iter(sources.get(c, {"none"}))))
+                                    for c, ls in layers.items()]
     finally:
         recv.stop()
 
@@ -213,10 +214,10 @@ def main() -> int:
     for fault in ("exception", "nan_loss"):
         rec, src = run_default(fault, OFFSETS)
         in_process += rec
-        sources += src
-        print(f"in_process  {fault:16s} {fmt(rec)}  restored from: {', '.join(src)}", flush=True)
-    in_job, _ = run_default("sigkill", OFFSETS)
-    print(f"in_job      {'sigkill':16s} {fmt(in_job)}", flush=True)
+        sources += [where for layer, where in src if layer == "in_process"]
+        print(f"in_process  {fault:16s} {fmt(rec)}  restored from: {', '.join(w for _, w in src)}", flush=True)
+    in_job, src = run_default("sigkill", OFFSETS)
+    print(f"in_job      {'sigkill':16s} {fmt(in_job)}  restored from: {', '.join(w for _, w in src)}", flush=True)
     hang, _ = run_default("hang", OFFSETS[2:4])
     print(f"in_process  {'hang':16s} {fmt(hang)}", flush=True)
     flags = default_flags([], steps=20)
