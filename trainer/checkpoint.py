@@ -523,8 +523,12 @@ class Checkpointer:
         self.restored_from: RestoredFrom | None = None  # where the last load came from
         self.rank = dist.get_rank(pg)
         # The node-local copy needs the staged copy (the memory snapshot) to copy from.
-        self.local = (LocalCopy(local_dir, rank=dist.get_rank(), world=dist.get_world_size())
-                      if local_dir and memory is not None else None)
+        self.local: LocalCopy | None = None
+        if local_dir and memory is not None:
+            try:
+                self.local = LocalCopy(local_dir, rank=dist.get_rank(), world=dist.get_world_size())
+            except OSError as e:  # no such directory can be made here: durable checkpoints only
+                log.warning("node-local checkpoint copies off: cannot use %s (%s)", local_dir, e.strerror or e)
         self._report, self._atomic = report, atomic
         self._in_flight: _InFlight | None = None
         self._stager: Any = None

@@ -194,6 +194,21 @@ def test_a_node_local_copy_that_would_not_fit_is_skipped_and_no_older_one_is_lef
     assert "node-local checkpoint copy skipped" in caplog.text
 
 
+def test_a_node_local_directory_that_cannot_be_made_turns_the_copies_off_not_the_job(tmp_path, one_rank_world, caplog):
+    from trainer.checkpoint import Checkpointer, MemorySnapshot
+    from trainer.wire import CheckpointMode
+
+    blocker = tmp_path / "file"
+    blocker.write_text("")  # a file where the directory should be
+    ck = Checkpointer(root=str(tmp_path / "ckpt"), mode=CheckpointMode.ASYNC, keep=2, pg=one_rank_world,
+                      report=lambda *a, **k: None, memory=MemorySnapshot(), local_dir=str(blocker / "local"))
+    assert ck.local is None and "node-local checkpoint copies off" in caplog.text
+    state, _, _ = _app(0)
+    ck.save(state, 2)
+    ck.wait()
+    ck.close()
+
+
 def test_it_reports_the_steps_an_async_save_slowed_down_as_its_interference(tmp_path, one_rank_world):
     """Interference: the overlapping steps' extra time against the steps just before the save, without
     the blocked time; a sync save reports none (it only blocks)."""
