@@ -86,12 +86,54 @@ class FtClient:
                 self._client.shutdown_workload_monitoring()
 
 
-class PacedFt:
-    """ft_launcher heartbeats sent from a thread, for the SDK: the loop only marks progress (O(1), no
-    IPC round trip to the rank monitor on the step), and the thread sends a heartbeat every
-    ``period_s`` when there was progress since the last one, or while ``keep_alive`` holds the rank
-    alive through a slow phase. A hung loop marks nothing, so the heartbeats stop as they would if the
-    loop sent them itself (detection is at most ``period_s`` later).
+class _Pacer:
+    """A thread that sends a progress signal every ``period_s`` when the loop made progress since the
+    last one: the loop only counts (``tick``: O(1), no system call, no IPC on the step). A hung loop
+    counts nothing, so the signals stop as they would if the loop sent them itself (detected at most
+    ``period_s`` later). ``_lock`` serialises a send with whatever the subclass swaps under it."""
+
+    thread_name = "unbroken-pacer"
+
+    def __init__(self, period_s: float):
+        self.period_s = period_s
+        self.progress = 0
+        self._sent = 0
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+
+    def tick(self) -> None:
+        self.progress += 1
+
+    def _start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name=self.thread_name, daemon=True)
+            self._thread.start()
+
+    def _due(self, progress: int) -> bool:
+        return progress != self._sent
+
+    def _send(self) -> None:  # under ``_lock``
+        raise NotImplementedError
+
+    def _after_send(self) -> None:  # outside the lock
+        pass
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period_s):
+            with self._lock:
+                progress = self.progress
+                if not self._due(progress):
+                    continue
+                self._sent = progress
+                with contextlib.suppress(Exception):
+                    self._send()
+            self._after_send()
+
+
+class PacedFt(_Pacer):
+    """ft_launcher heartbeats for the SDK (``heartbeat`` counts progress; the thread sends), also while
+    ``keep_alive`` holds the rank alive through a slow phase without progress.
 
     ``stack_file``: a hang that only ft_launcher catches has no in-process layer to take the hung rank's
     stack, and ft_launcher kills it with SIGKILL. So each heartbeat sent re-arms ``faulthandler``'s
@@ -99,26 +141,21 @@ class PacedFt:
     is stuck in a C call holding the GIL) to write the stacks to that file ``dump_after_s`` after the last
     heartbeat, before ft_launcher's timeout ends the rank; the launcher's hooks attach it to the fault."""
 
+    thread_name = "unbroken-ft"
+
     def __init__(self, client: FtClient, period_s: float = 0.5, *, stack_file: Any = None,
                  dump_after_s: float = 0.0):
-        self._client, self.period_s = client, period_s
+        super().__init__(period_s)
+        self._client = client
         self._stack_file, self._dump_after_s = stack_file, dump_after_s
-        self._lock = threading.Lock()
-        self._progress = 0
-        self._sent = 0
         self._alive_until = 0.0
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
 
     def start(self) -> None:
         with self._lock:
             self._client.start()
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="unbroken-ft", daemon=True)
-            self._thread.start()
+        self._start()
 
-    def heartbeat(self) -> None:
-        self._progress += 1
+    heartbeat = _Pacer.tick
 
     def keep_alive(self, until: float) -> None:
         """Keep sending until ``until`` (monotonic seconds) whether or not the loop progresses."""
@@ -131,51 +168,37 @@ class PacedFt:
         with self._lock:
             self._client.stop()
 
-    def _run(self) -> None:
+    def _due(self, progress: int) -> bool:
         import time
 
-        while not self._stop.wait(self.period_s):
-            progress = self._progress
-            if progress == self._sent and time.monotonic() >= self._alive_until:
-                continue
-            self._sent = progress
-            with self._lock:
-                with contextlib.suppress(Exception):
-                    self._client.heartbeat()
-            if self._stack_file is not None and not self._stop.is_set():
-                self._stack_file.seek(0)
-                self._stack_file.truncate()  # the file holds the latest hang's stacks only
-                faulthandler.dump_traceback_later(self._dump_after_s, file=self._stack_file)
+        return progress != self._sent or time.monotonic() < self._alive_until
+
+    def _send(self) -> None:
+        self._client.heartbeat()
+
+    def _after_send(self) -> None:
+        if self._stack_file is not None and not self._stop.is_set():
+            self._stack_file.seek(0)
+            self._stack_file.truncate()  # the file holds the latest hang's stacks only
+            faulthandler.dump_traceback_later(self._dump_after_s, file=self._stack_file)
 
 
-class PacedPing:
-    """NVRx in-process progress pings (``CallWrapper.ping``) sent from a thread: the loop only counts
-    progress (``tick``, O(1), no system call), and the thread pings the armed attempt's scope every
-    ``period_s`` when there was progress since the last ping. ``ping`` is a put on a multiprocessing
-    queue to the monitor process (a lock, a wake-up of the queue's feeder thread); on the loop it
-    cost the step up to a few ms at p99 on a node whose cores are all busy. A hung loop counts
-    nothing, so the pings stop as they would if the loop sent them (detected at most ``period_s``
-    later than that, well inside the soft timeout). Between attempts nothing is armed: no ping can
-    land in a restart."""
+class PacedPing(_Pacer):
+    """NVRx in-process progress pings (``CallWrapper.ping``) for the armed attempt's scope. ``ping`` is
+    a put on a multiprocessing queue to the monitor process (a lock, a wake-up of the queue's feeder
+    thread); on the loop it cost the step up to a few ms at p99 on a node whose cores are all busy.
+    Between attempts nothing is armed: no ping can land in a restart."""
+
+    thread_name = "unbroken-ping"
 
     def __init__(self, period_s: float = 0.2):
-        self.period_s = period_s
-        self.progress = 0
-        self._sent = 0
+        super().__init__(period_s)
         self._scope: Any = None
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread: Optional[threading.Thread] = None
-
-    def tick(self) -> None:
-        self.progress += 1
 
     def arm(self, scope: Any) -> None:
         with self._lock:
             self._scope, self._sent = scope, self.progress
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="unbroken-ping", daemon=True)
-            self._thread.start()
+        self._start()
 
     def disarm(self) -> None:
         with self._lock:
@@ -185,15 +208,11 @@ class PacedPing:
         self._stop.set()
         self.disarm()
 
-    def _run(self) -> None:
-        while not self._stop.wait(self.period_s):
-            with self._lock:
-                progress = self.progress
-                if self._scope is None or progress == self._sent:
-                    continue
-                self._sent = progress
-                with contextlib.suppress(Exception):
-                    self._scope.ping()
+    def _due(self, progress: int) -> bool:
+        return self._scope is not None and progress != self._sent
+
+    def _send(self) -> None:
+        self._scope.ping()
 
 
 # -- in-process: NVRx Wrapper and its hooks -------------------------------------------------------------
