@@ -30,6 +30,7 @@ from django.db.models.functions import Mod
 
 from controlplane.dashboard.charts import BASE_LAYOUT, fmt_s
 from controlplane.jobs import figures, health, outages
+from controlplane.jobs.goodput import Epoch
 from controlplane.jobs.heartbeats import Timeouts
 from controlplane.jobs.models import Event, Job, Rank, RankHealth
 from controlplane.jobs.stragglers import STRAGGLER_EVENT
@@ -73,6 +74,22 @@ def moved_forward(job: Job, rows: list[Rank], now: datetime) -> list[Rank]:
     return [health.current(r, fresh.get(r.rank), timeouts, now) for r in rows]
 
 
+def troubled(job: Job, now: datetime) -> list[Rank]:
+    """Ranks whose rows say lost, stalled or never beat (at most ``MAX_UNHEALTHY``): lost first, then
+    stalled, then silent since the start, oldest heartbeat first within each. One query per request,
+    shared by the timeline and the worst-ranks list."""
+    cached = getattr(job, "_fleet_troubled", None)
+    if cached is None or cached[0] != now:
+        badness = Case(When(lost_q(now), then=Value(0)), When(stalled_q(now), then=Value(1)), default=Value(2))
+        rows = list(
+            Rank.objects.filter(lost_q(now) | stalled_q(now) | Q(last_heartbeat_at__isnull=True), job=job)
+            .annotate(bad=badness)
+            .order_by("bad", F("last_heartbeat_at").asc(nulls_last=True), "rank")[:MAX_UNHEALTHY]
+        )
+        cached = job._fleet_troubled = (now, rows)
+    return cached[1]
+
+
 def unhealthy_ranks(job: Job, now: datetime) -> list[dict]:
     """Lost and stalled ranks (at most ``MAX_UNHEALTHY``), as ``timeline.rank_spans`` wants them.
 
@@ -80,7 +97,7 @@ def unhealthy_ranks(job: Job, now: datetime) -> list[dict]:
     judging just the candidates with it finds every rank the page would judge lost or stalled."""
     if not job.is_active:
         return []
-    rows = list(Rank.objects.filter(lost_q(now) | stalled_q(now), job=job).order_by("rank")[:MAX_UNHEALTHY])
+    rows = [r for r in troubled(job, now) if r.bad < 2]
     windows = outages.grace_windows(now)
     out = []
     for r in moved_forward(job, rows, now):
@@ -139,31 +156,35 @@ def heatmap(job: Job, now: datetime) -> dict:
         Rank.objects.filter(job=job)
         .annotate(hr=F("rank") / (ppn * per_row), lr=Mod("rank", ppn))
         .values("hr", "lr")
-        .annotate(oldest=Min("last_heartbeat_at"), n=Count("id"),
+        .annotate(oldest=Epoch(Min("last_heartbeat_at")), n=Count("id"),
                   never=Count("id", filter=Q(last_heartbeat_at__isnull=True)),
                   lost=Count("id", filter=lost_q(now)), stalled=Count("id", filter=stalled_q(now)),
                   slow=Count("id", filter=Q(straggler_at__isnull=False) & ~lost_q(now)))
         .order_by()
+        .values_list("hr", "lr", "oldest", "n", "never", "lost", "stalled", "slow")
     )
     z: list[list[float | None]] = [[None] * ppn for _ in range(rows)]
     text = [["no rank has reported"] * ppn for _ in range(rows)]
     counts = {"ranks": 0, "lost": 0, "stalled": 0, "never": 0, "stragglers": 0}
     t = now.timestamp()
-    for c in cells:
-        i, j = int(c["hr"]), int(c["lr"])
-        for k, v in (("ranks", "n"), ("lost", "lost"), ("stalled", "stalled"), ("never", "never"),
-                     ("stragglers", "slow")):
-            counts[k] += c[v]
+    for hr, lr, oldest, n, never, lost, stalled, slow in cells:
+        counts["ranks"] += n
+        counts["lost"] += lost
+        counts["stalled"] += stalled
+        counts["never"] += never
+        counts["stragglers"] += slow
+        i, j = int(hr), int(lr)
         if not (0 <= i < rows and 0 <= j < ppn):
             continue  # a rank beyond the job's world (reported, but not in the spec)
-        age = max(0.0, t - c["oldest"].timestamp()) if c["oldest"] else None
+        age = max(0.0, t - oldest) if oldest is not None else None
         # A cell is as bad as its worst rank: a lost one shows its age (red); otherwise a rank that never
         # beat leaves the cell grey (a gap) rather than green from its neighbours' fresh beats.
-        z[i][j] = round(age, 1) if age is not None and (c["lost"] or not c["never"]) else None
-        parts = [f"oldest heartbeat {fmt_s(age)} ago" if age is not None else "no heartbeat yet"]
-        parts += [f"{c[k]} {w}" for k, w in (("lost", "lost"), ("stalled", "stalled"), ("never", "never beat"),
-                                            ("slow", "straggler")) if c[k]]
-        text[i][j] = " · ".join(parts) + f" ({c['n']} rank{'s' if c['n'] != 1 else ''})"
+        z[i][j] = round(age, 1) if age is not None and (lost or not never) else None
+        words = f"oldest heartbeat {fmt_s(age)} ago" if age is not None else "no heartbeat yet"
+        if lost or stalled or never or slow:
+            words += "".join(f" · {k} {w}" for k, w in ((lost, "lost"), (stalled, "stalled"),
+                                                        (never, "never beat"), (slow, "straggler")) if k)
+        text[i][j] = f"{words} ({n} rank{'s' if n != 1 else ''})"
     labels = [_row_label(i, per_row, nodes) for i in range(rows)]
     step_s = Timeouts.of(job.spec).step_s
     fig = {
@@ -246,28 +267,43 @@ SLOWEST_SHOWN = 5  # the slowest ranks listed after the silent ones (at most WOR
 
 def worst_ranks(job: Job, now: datetime) -> list[dict]:
     """The worst ranks, silent first: lost, then stalled, then those that never beat (oldest heartbeat
-    first within each), then the slowest (largest own work per step). Two bounded queries."""
-    badness = Case(When(lost_q(now), then=Value(0)), When(stalled_q(now), then=Value(1)), default=Value(2))
-    silent = list(Rank.objects.filter(lost_q(now) | stalled_q(now) | Q(last_heartbeat_at__isnull=True), job=job)
-                  .annotate(bad=badness)
-                  .order_by("bad", F("last_heartbeat_at").asc(nulls_last=True), "rank")
-                  [:WORST_SHOWN - SLOWEST_SHOWN])
+    first within each), then the ``SLOWEST_SHOWN`` slowest (largest own work per step)."""
+    silent = troubled(job, now)[: WORST_SHOWN - SLOWEST_SHOWN]
     seen = {r.rank for r in silent}
     slow = [r for r in Rank.objects.filter(job=job, phase=Phase.TRAIN, busy_s__isnull=False)
             .exclude(lost_q(now)).order_by("-busy_s", "rank")[:WORST_SHOWN] if r.rank not in seen]
     return rank_rows(job, silent + slow[:SLOWEST_SHOWN], now)
 
 
+class _Counted:
+    """A queryset whose count is already known (the heatmap's aggregate counted every rank): the
+    paginator slices it without a count query of its own."""
+
+    def __init__(self, qs, count: int):
+        self.qs, self.n = qs, count
+
+    def count(self) -> int:
+        return self.n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, k):
+        return self.qs[k]
+
+
 def ranks_part(job: Job, now: datetime, params) -> dict:
     """Rank health of a large job: the heatmap, the worst ranks, one page of every rank by number."""
     node = (params.get("rnode") or "").strip()
+    heat = heatmap(job, now)
     qs = Rank.objects.filter(job=job).order_by("rank")
     if node:
         qs = qs.filter(node=node)
-    page = Paginator(qs, RANKS_PER_PAGE).get_page(params.get("rpage"))
+    page = Paginator(qs if node else _Counted(qs, heat["counts"]["ranks"]), RANKS_PER_PAGE).get_page(
+        params.get("rpage"))
     return {
         "large": True,
-        "heat": heatmap(job, now),
+        "heat": heat,
         "worst": worst_ranks(job, now),
         "page": page,
         "rows": rank_rows(job, list(page.object_list), now),
