@@ -112,10 +112,6 @@ def unhealthy_ranks(job: Job, now: datetime) -> list[dict]:
 # -- timeline: node lanes ------------------------------------------------------------------------------
 
 
-def node_of(rank: int, nodes: dict[int, str]) -> str:
-    return nodes.get(rank) or ""
-
-
 def node_lanes(job: Job, severity: dict[str, int]) -> tuple[list[dict], set[str]]:
     """Lanes for a large job: the ``MAX_RANK_LANES - 1`` most alarming nodes (``severity``: node ->
     rank, lower is worse), by name, then one lane for every other node. Returns (lanes, shown nodes)."""
