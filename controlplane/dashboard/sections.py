@@ -14,8 +14,8 @@ from datetime import datetime, timedelta
 from django.core.paginator import Paginator
 from django.db.models import Count, Max, Q
 
-from controlplane.dashboard import charts
-from controlplane.dashboard.timeline_figure import timeline_figure
+from controlplane.dashboard import charts, fleet
+from controlplane.dashboard.timeline_figure import PRIORITY, timeline_figure
 from controlplane.dashboard.outage_band import add_outage_bands
 from controlplane.dashboard.timeline import STRAGGLER, Span, job_spans, rank_spans, ts
 from controlplane.jobs import figures, health, outages, policy
@@ -103,6 +103,8 @@ def job_signatures(job: Job, now: datetime) -> dict[str, str]:
     )
     cyc_s, flt_s, ck_s = tuple(cyc.values()), tuple(flt.values()), tuple(ck.values())
     rank_health = (rk["lost"], rk["stl"])
+    # A large job's ranks beat all the time: its health part (a heatmap) refreshes at most every 2 s.
+    rk_sig = (rank_health, int(now.timestamp() // 2)) if fleet.is_large(job) else tuple(rk.values())
     # Parts that move with time alone (goodput of a running job) refresh at most every 5 s.
     tick = int(now.timestamp() // 5) if job.is_active else 0
     return {
@@ -113,7 +115,7 @@ def job_signatures(job: Job, now: datetime) -> dict[str, str]:
         "checkpoints": _sig(ck_s),
         "faults": _sig(flt_s, cyc_s, status, job.last_progress_at, tuple(pol.values())),
         "goodput": _sig(status, cyc_s, ck_s, job.last_step, tick),
-        "ranks": _sig(tuple(rk.values()), tuple(qua.values())),
+        "ranks": _sig(rk_sig, tuple(qua.values())),
         "progress": _sig(ck_s, cyc_s, tick),
         "commands": _sig(tuple(cmd.values())),
         "audit": _sig(aud["m"]),
@@ -188,9 +190,13 @@ def lanes_for(job: Job, now: datetime) -> list[dict]:
     if cached is not None:
         return cached
     ranks = {r.rank: r for r in Rank.objects.filter(job=job)}
-    ids = sorted(set(range(job.world_size)) | set(ranks))
+    job._dashboard_lanes = _rank_lanes(job, now, ranks, sorted(set(range(job.world_size)) | set(ranks)))
+    return job._dashboard_lanes
+
+
+def _rank_lanes(job: Job, now: datetime, ranks: dict[int, Rank], ids: list[int]) -> list[dict]:
     # Each row moved forward to the heartbeat store's newest beat, judged by the watchdog's own rule.
-    fresh = figures.freshest(job, ids) if job.is_active else {}
+    fresh = figures.freshest(job, ids) if job.is_active and ids else {}
     timeouts = Timeouts.of(job.spec)
     lanes = []
     for i in ids:
@@ -199,7 +205,6 @@ def lanes_for(job: Job, now: datetime) -> list[dict]:
             r = health.current(r or Rank(job=job, rank=i), fresh[i], timeouts, now)
         lanes.append({"rank": i, "node": r.node if r else "", "row": r})
     lanes.sort(key=lambda ln: (ln["node"], ln["rank"]))
-    job._dashboard_lanes = lanes
     return lanes
 
 
@@ -237,8 +242,16 @@ def _cycle_dicts(job: Job, lo: datetime | None = None, hi: datetime | None = Non
 
 
 def timeline_part(
-    job: Job, now: datetime, *, start: float | None = None, end: float | None = None, follow: bool = False
+    job: Job,
+    now: datetime,
+    *,
+    start: float | None = None,
+    end: float | None = None,
+    follow: bool = False,
+    node: str | None = None,
 ) -> dict:
+    """The recovery timeline: one lane per rank for a small job (or for one ``node``'s ranks: the
+    drill-down), one lane per troubled node and one for the rest for a large one (``fleet.py``)."""
     job_start, job_end = job_bounds(job, now)
     is_open = job.finished_at is None
     if follow or start is None or end is None:
@@ -254,7 +267,15 @@ def timeline_part(
     else:
         t0, t1 = start, end
     t0, t1 = min(t0, t1 - 1.0), max(t1, t0 + 1.0)
-    lanes = lanes_for(job, now)
+    if node:
+        by_rank = fleet.node_ranks(job, node)
+        lanes = _rank_lanes(job, now, by_rank, sorted(by_rank))
+        mode = "node"
+    elif fleet.is_large(job):
+        lanes, mode = [], "nodes"
+    else:
+        lanes, mode = lanes_for(job, now), "ranks"
+    in_lanes = {ln["rank"] for ln in lanes}
     margin = timedelta(minutes=10)
     lo = datetime.fromtimestamp(t0, tz=now.tzinfo) - margin
     hi = datetime.fromtimestamp(t1, tz=now.tzinfo)
@@ -269,24 +290,28 @@ def timeline_part(
     in_view = (
         Q(at__gte=lo) | Q(detected_at__gte=lo) | Q(cycle__isnull=False, cycle__first_step_at__isnull=True)
     )
-    nodes = {ln["rank"]: ln["node"] for ln in lanes if ln["node"]}
-    faults = [
-        fault_dict(f, nodes)
-        for f in Fault.objects.filter(in_view, job=job, at__lte=hi)
-        .select_related("cycle")
-        .order_by("at", "id")
-    ]
-    windows = outages.grace_windows(now) if job.is_active else []
-    slow = figures.slowdowns(job, [ln["row"] for ln in lanes if ln["row"]], now, complete=True)
-    ranks = [
-        {
-            "rank": ln["rank"],
-            "health": health.judge(ln["row"], now, windows, slow.get(ln["rank"])) if ln["row"] else "ok",
-            "last_heartbeat_at": ts(ln["row"].last_heartbeat_at) if ln["row"] else None,
-            "step_changed_at": ts(ln["row"].step_changed_at) if ln["row"] else None,
-        }
-        for ln in lanes
-    ]
+    fault_rows = Fault.objects.filter(in_view, job=job, at__lte=hi)
+    if mode == "node":
+        fault_rows = fault_rows.filter(Q(rank__in=sorted(in_lanes)) | Q(rank__isnull=True))
+    fault_rows = list(fault_rows.select_related("cycle").order_by("at", "id"))
+    if mode == "nodes":
+        ranks = fleet.unhealthy_ranks(job, now)
+        nodes = {r["rank"]: r["node"] for r in ranks}
+        nodes.update(fleet.rank_nodes(job, {f.rank for f in fault_rows if f.rank is not None} - set(nodes)))
+    else:
+        nodes = {ln["rank"]: ln["node"] for ln in lanes if ln["node"]}
+        windows = outages.grace_windows(now) if job.is_active else []
+        # Only lost and stalled make spans (``rank_spans``): stragglers come from the watchdog's marks.
+        ranks = [
+            {
+                "rank": ln["rank"],
+                "health": health.judge(ln["row"], now, windows) if ln["row"] else "ok",
+                "last_heartbeat_at": ts(ln["row"].last_heartbeat_at) if ln["row"] else None,
+                "step_changed_at": ts(ln["row"].step_changed_at) if ln["row"] else None,
+            }
+            for ln in lanes
+        ]
+    faults = [fault_dict(f, nodes) for f in fault_rows]
     if not job.is_active:
         ranks = []  # a finished job's ranks are stopped, not dead
     end_ts = job_end
@@ -298,15 +323,21 @@ def timeline_part(
         cycles=cycles,
         checkpoints=ck,
     )
-    spans += rank_spans(
+    per_rank = rank_spans(
         end=end_ts, is_open=is_open, faults=faults, cycles_by_id={c["id"]: c for c in cycles}, ranks=ranks
     )
     marks = Event.objects.filter(job=job, kind=STRAGGLER_EVENT, at__lte=hi).order_by("at", "id")
+    if mode == "node":
+        marks = marks.filter(rank__in=sorted(in_lanes))
     for rank, start, stop in straggler_spans(
         [(r, at, (d or {}).get("state", "")) for r, at, d in marks.values_list("rank", Epoch("at"), "data")], end=t1
     ):
-        spans.append(Span(start, stop if stop is not None else end_ts, STRAGGLER, rank,
-                          f"straggler: rank {rank} slower than the others", open=stop is None and is_open))
+        per_rank.append(Span(start, stop if stop is not None else end_ts, STRAGGLER, rank,
+                             f"straggler: rank {rank} slower than the others", open=stop is None and is_open))
+    if mode == "nodes":
+        nodes.update(fleet.rank_nodes(job, {s.lane for s in per_rank} - set(nodes)))  # stragglers' nodes
+        lanes, per_rank = _group_by_node(job, per_rank, faults, nodes, t0, t1)
+    spans += per_rank
     commands = [
         {
             "issued_at": ts(c.issued_at),
@@ -339,7 +370,40 @@ def timeline_part(
     fig["follow"] = bool(follow and is_open)
     fig["start_ms"] = charts.ms(job_start)
     fig["active"] = is_open
+    fig["mode"] = mode
+    fig["node"] = node or ""
+    fig["large"] = fleet.is_large(job)
+    fig["lane_nodes"] = [None] + [ln.get("node") if mode == "nodes" else None for ln in lanes]
+    fig["nodes_shown"] = [ln["node"] for ln in lanes if mode == "nodes" and ln.get("node") is not None]
     return fig
+
+
+def _group_by_node(
+    job: Job, per_rank: list[Span], faults: list[dict], nodes: dict[int, str], t0: float, t1: float
+) -> tuple[list[dict], list[Span]]:
+    """A large job's lanes: a lane per node with rank-level phases or faults in view (the most alarming
+    first, ``fleet.node_lanes``), every other node in one; each span and fault moves to its node's lane
+    and names its rank and node (hover)."""
+    order = {p: i for i, p in enumerate(PRIORITY)}
+    severity: dict[str, int] = {}
+    for s in per_rank:
+        if s.end >= t0 and s.start <= t1:
+            n = nodes.get(s.lane, "")
+            severity[n] = min(severity.get(n, len(order)), order.get(s.phase, len(order)))
+    for f in faults:
+        if f["rank"] is not None and t0 <= f["at"] <= t1:
+            n = f["node"] or nodes.get(f["rank"], "")
+            severity[n] = min(severity.get(n, len(order) + 1), len(order))
+    lanes, shown = fleet.node_lanes(job, severity)
+    moved = [
+        Span(s.start, s.end, s.phase, fleet.lane_key(nodes.get(s.lane, ""), shown),
+             f"rank {s.lane} on {nodes.get(s.lane) or 'a node not named yet'}: {s.label}", s.open)
+        for s in per_rank
+    ]
+    for f in faults:
+        if f["rank"] is not None:
+            f["lane"] = fleet.lane_key(f["node"] or nodes.get(f["rank"], ""), shown)
+    return lanes, moved
 
 
 def fault_dict(f: Fault, nodes: dict[int, str]) -> dict:
@@ -433,7 +497,7 @@ def faults_part(job: Job, params) -> dict:
         except ValueError:
             chosen["rank"] = ""
     page = Paginator(qs, FAULTS_PER_PAGE).get_page(params.get("page"))
-    nodes = job.rank_nodes()
+    nodes = fleet.rank_nodes(job, {f.rank for f in page.object_list if f.rank is not None})
     rows = []
     for f in page.object_list:
         fig = figures.fault_figures(f, rank_nodes=nodes)
@@ -458,7 +522,8 @@ def faults_part(job: Job, params) -> dict:
         "chosen": chosen,
         "classes": classes,
         "layers": [(v.value, charts.LAYER_NAMES[v.value]) for v in Layer],
-        "ranks": range(job.world_size),
+        # A large job's rank filter is a number field, not 100,000 options.
+        "ranks": None if fleet.is_large(job) else range(job.world_size),
     }
 
 
@@ -542,7 +607,12 @@ def goodput_part(job: Job, now: datetime) -> dict:
     }
 
 
-def ranks_part(job: Job, now: datetime) -> dict:
+def ranks_part(job: Job, now: datetime, params=None) -> dict:
+    """A chip and a table row per rank; a large job's part is a heatmap and pages (``fleet.py``)."""
+    if fleet.is_large(job):
+        out = fleet.ranks_part(job, now, params or {})
+        out["quarantined"] = _quarantined(job)
+        return out
     lanes = lanes_for(job, now)
     rows = []
     for f in figures.rank_figures(job, [ln["row"] or (ln["rank"], None) for ln in lanes], now):
@@ -564,8 +634,11 @@ def ranks_part(job: Job, now: datetime) -> dict:
                 "why": _why_no_heartbeat(job) if f.health == figures.UNKNOWN else "",
             }
         )
-    quarantined = list(QuarantinedHeartbeat.objects.filter(job=job).order_by("-at")[:QUARANTINE_SHOWN])
-    return {"rows": rows, "now": now.timestamp(), "quarantined": quarantined}
+    return {"rows": rows, "now": now.timestamp(), "quarantined": _quarantined(job)}
+
+
+def _quarantined(job: Job) -> list:
+    return list(QuarantinedHeartbeat.objects.filter(job=job).order_by("-at")[:QUARANTINE_SHOWN])
 
 
 QUARANTINE_SHOWN = 10

@@ -82,6 +82,9 @@ def downsample_spans(
             out.extend(items)
             continue
         cover: dict[str, list[float]] = defaultdict(lambda: [0.0] * bins)
+        # Bins a span covers whole are counted once per span at their ends (a running sum below), so a
+        # lane of thousands of long spans (a node-lost storm) costs spans + bins, not spans x bins.
+        full: dict[str, list[int]] = defaultdict(lambda: [0] * (bins + 1))
         open_phases: set[str] = set()
         for s in items:
             if s.open:
@@ -89,10 +92,20 @@ def downsample_spans(
             i0 = min(bins - 1, int((s.start - t0) / width))
             i1 = min(bins - 1, int((s.end - t0) / width))
             row = cover[s.phase]
-            for i in range(i0, i1 + 1):
+            for i in (i0, i1) if i1 > i0 else (i0,):
                 a = max(s.start, t0 + i * width)
                 b = min(s.end, t0 + (i + 1) * width)
                 row[i] += max(b - a, 1e-9)
+            if i1 - i0 > 1:
+                f = full[s.phase]
+                f[i0 + 1] += 1
+                f[i1] -= 1
+        for phase, f in full.items():
+            row, k = cover[phase], 0
+            for i in range(bins):
+                k += f[i]
+                if k:
+                    row[i] += k * width
         chosen: list[str | None] = []
         for i in range(bins):
             pick = None
@@ -143,11 +156,15 @@ def timeline_figure(
 ) -> dict:
     """Lanes: the job lane (y=0: cycles, commands, rank-less faults) then one per rank, grouped by node.
 
+    A lane is ``{"rank", "node"}`` (a rank's lane), or ``{"key", "label", "node"}`` (a node lane of a
+    large job: spans whose ``lane`` and faults whose ``"lane"`` is that key are drawn in it).
+
     Returns ``{"figure": ..., "open": [[trace, point], ...], "now_ms": ...}``; the page extends the
     open bars to the present while it follows live.
     """
     n = len(lanes)
-    lane_y = {ln["rank"]: i + 1 for i, ln in enumerate(lanes)}
+    lane_y = {ln.get("key", ln.get("rank")): i + 1 for i, ln in enumerate(lanes)}
+    lane_words = {ln.get("key", ln.get("rank")): ln.get("label") for ln in lanes}
     traces: list[dict] = []
     open_points: list[list[int]] = []
     spans = downsample_spans(spans, t0, t1)
@@ -167,7 +184,7 @@ def timeline_figure(
             else:
                 y.append(lane_y.get(s.lane, 0))
                 width.append(0.8)
-                who = f"rank {s.lane}"
+                who = lane_words.get(s.lane) or f"rank {s.lane}"
             base.append(ms(s.start))
             length.append(max(1, ms(s.end) - ms(s.start)))
             dur = "running" if s.open else fmt_s(s.end - s.start)
@@ -255,7 +272,7 @@ def timeline_figure(
                 "name": f"fault · {cls}",
                 "legendgroup": "fault",
                 "x": [ms(f["at"]) for f in items],
-                "y": [lane_y.get(f["rank"], 0) for f in items],
+                "y": [lane_y.get(f.get("lane", f["rank"]), 0) for f in items],
                 "text": [cls] * len(items) if labelled else None,
                 "textposition": "top center",
                 "textfont": {"size": 10, "color": FAULT_COLORS.get(cls, "#000")},
@@ -329,7 +346,9 @@ def timeline_figure(
             )
         prev = ln["node"]
     # A rank's node shows once its first heartbeat names it; until then the lane is just the rank.
-    ticktext = ["job"] + [f"r{ln['rank']} · {ln['node']}" if ln["node"] else f"r{ln['rank']}" for ln in lanes]
+    ticktext = ["job"] + [
+        ln.get("label") or (f"r{ln['rank']} · {ln['node']}" if ln["node"] else f"r{ln['rank']}") for ln in lanes
+    ]
     plot_height = plot_height_for(n)
     layout = {
         **BASE_LAYOUT,

@@ -16,7 +16,7 @@ from django.utils import timezone
 from django.views.decorators.cache import never_cache
 from django.views.decorators.http import require_GET
 
-from controlplane.dashboard import sections
+from controlplane.dashboard import fleet, sections
 from controlplane.dashboard.code import code_part
 from controlplane.dashboard.assets import PLOTLY_VERSION
 from controlplane.jobs.models import Job
@@ -85,6 +85,7 @@ def part_context(name: str, job: Job, request, now) -> dict:
                 start=start / 1000 if start else None,
                 end=end / 1000 if end else None,
                 follow=follow,
+                node=(request.GET.get("node") or "").strip() or None,
             )
         }
     if name == "checkpoints":
@@ -94,7 +95,7 @@ def part_context(name: str, job: Job, request, now) -> dict:
     if name == "goodput":
         return {"goodput": sections.goodput_part(job, now)}
     if name == "ranks":
-        return {"ranks": sections.ranks_part(job, now)}
+        return {"ranks": sections.ranks_part(job, now, request.GET)}
     if name == "progress":
         return {"progress": sections.progress_part(job, now)}
     if name == "commands":
@@ -119,9 +120,11 @@ def _base_context(job, request, now) -> dict:
         "now": now,
         "is_operator": is_operator(request.user),
         "plotly_version": PLOTLY_VERSION,
+        "max_rank_lanes": fleet.MAX_RANK_LANES,
         "layers": [(v.value, v.value.replace("_", "-")) for v in Layer if v != Layer.NONE],
         "drill_faults": [f.value for f in DrillFault],
-        "rank_ids": range(job.world_size),
+        # A large job's rank is typed (a number field), not picked from 100,000 options.
+        "rank_ids": None if fleet.is_large(job) else range(job.world_size),
     }
 
 

@@ -14,8 +14,10 @@
   let cursor = cfg.cursor;
   const followBox = document.getElementById("follow-live");
   const state = { follow: followBox ? followBox.checked : false, window: null, suppress: 0, timeline: null,
-                  followSpan: 600000 };
-  let faultParams = new URLSearchParams(window.location.search);
+                  followSpan: 600000, node: new URLSearchParams(window.location.search).get("node") || "" };
+  // Filters and pages of the paginated parts, kept across live refreshes.
+  const partParams = { faults: new URLSearchParams(window.location.search), ranks: new URLSearchParams() };
+  const PART_KEYS = { faults: ["fault_class", "layer", "rank", "page"], ranks: ["rnode", "rpage"] };
 
   // The mode bar keeps zoom, pan, reset and PNG download. Nothing may offer to send job data off this
   // host: plotly.js 4 shows a "Share chart..." (Plotly Cloud upload) button unless showSendToCloud is
@@ -85,6 +87,7 @@
       div.dataset.bound = "1";
       div.on("plotly_relayout", onRelayout);
       div.on("plotly_afterplot", function () { keepPlotHeight(div); });
+      div.on("plotly_click", onTimelineClick);
     }
     keepPlotHeight(div);
   }
@@ -167,13 +170,14 @@
     const q = new URLSearchParams();
     if (name === "timeline") {
       q.set("follow", state.follow ? "1" : "0");
+      if (state.node) q.set("node", state.node);
       if (state.window) {
         q.set("start", String(Math.round(state.window[0])));
         q.set("end", String(Math.round(state.window[1])));
       }
-    } else if (name === "faults") {
-      ["fault_class", "layer", "rank", "page"].forEach(function (k) {
-        const v = faultParams.get(k);
+    } else if (PART_KEYS[name]) {
+      PART_KEYS[name].forEach(function (k) {
+        const v = partParams[name].get(k);
         if (v) q.set(k, v);
       });
     }
@@ -221,21 +225,54 @@
     setTimeout(poll, cfg.interval_ms);
   }
 
-  // Fault filters and pages without a reload (the same GET form works without JS).
+  // A large job's timeline: drill down to one node's ranks (a node lane, a node link, the node field)
+  // and back to every node ("" clears it).
+  function showNode(node) {
+    state.node = node || "";
+    refreshPart("timeline");
+  }
+  function onTimelineClick(ev) {
+    const t = state.timeline;
+    const pt = ev && ev.points && ev.points[0];
+    if (!t || !pt || !t.data.lane_nodes) return;
+    const w = pt.data.width;
+    if (Array.isArray(w) && w[pt.pointNumber] >= 1) return;  // a job-wide bar spans every lane
+    const node = t.data.lane_nodes[Math.round(pt.y)];
+    if (node) showNode(node);
+  }
+
+  // Filters and pages of the fault and rank tables without a reload (the same GET forms work without JS).
   document.addEventListener("submit", function (e) {
     const form = e.target;
-    if (!(form instanceof HTMLFormElement) || form.dataset.partFilter !== "faults") return;
+    if (!(form instanceof HTMLFormElement)) return;
+    if (form.hasAttribute("data-timeline-node-form")) {
+      e.preventDefault();
+      showNode(String(new FormData(form).get("node") || "").trim());
+      return;
+    }
+    const name = form.dataset.partFilter;
+    if (!PART_KEYS[name]) return;
     e.preventDefault();
-    faultParams = new URLSearchParams(new FormData(form));
-    faultParams.delete("page");
-    refreshPart("faults");
+    partParams[name] = new URLSearchParams(new FormData(form));
+    partParams[name].delete(name === "faults" ? "page" : "rpage");
+    refreshPart(name);
   });
   document.addEventListener("click", function (e) {
+    const b = e.target.closest && e.target.closest("[data-timeline-node]");
+    if (b) {
+      e.preventDefault();
+      showNode(b.dataset.timelineNode);
+      const tl = document.getElementById("part-timeline");
+      if (tl && tl.scrollIntoView) tl.scrollIntoView({ block: "nearest" });
+      return;
+    }
     const a = e.target.closest && e.target.closest("[data-part-pager] a");
     if (!a) return;
+    const name = a.closest("[data-part-pager]").dataset.partPager;
+    if (!PART_KEYS[name]) return;
     e.preventDefault();
-    faultParams = new URL(a.href).searchParams;
-    refreshPart("faults");
+    partParams[name] = new URL(a.href).searchParams;
+    refreshPart(name);
   });
 
   let started = false;

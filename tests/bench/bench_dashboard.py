@@ -12,7 +12,14 @@ faults, then measures:
    posted through the ingest API at random intervals; latency is from the moment ingest accepted the
    event (its 200 response) to the moment the client received the fault table showing it.
 
-The last line is exactly ``job_page_ms=<X> live_p95_s=<Y>``. Targets: <= 150 ms and <= 1 s.
+3. ``fleet``: a second running job of ``--fleet-nodes`` nodes x 8 ranks (12,500 x 8 = 100,000 Rank rows by
+   default; 0 skips it) with a lost node, stalled ranks, stragglers, ranks that never beat, faults and
+   restart cycles: the median of ``--requests`` loads of its job page, and of its live parts (the
+   timeline, the rank-health part and the live cursor), printed on the line before the last as
+   ``fleet ranks=<N> job_page_ms=<J> timeline_ms=<T> ranks_ms=<R> live_ms=<L> page_bytes=<B>``.
+
+The last line is exactly ``job_page_ms=<X> live_p95_s=<Y>``. Targets: <= 150 ms and <= 1 s; the
+fleet job's page (issue 9): <= 200 ms server time.
 """
 
 from __future__ import annotations
@@ -210,6 +217,120 @@ def build_job(*, num_events: int, num_checkpoints: int, num_cycles: int, num_fau
             batch = []
     Event.objects.bulk_create(batch)
     return job, token, user
+
+
+def build_fleet_job(user, *, nodes: int, per_node: int = 8):
+    """One running job of ``nodes`` x ``per_node`` ranks, most beating, with what a large job has at any
+    time: a lost node, stalled ranks, stragglers, ranks that never beat, faults and restart cycles."""
+    from django.utils import timezone
+
+    from controlplane.jobs.models import Checkpoint, Event, Fault, Job, Rank, RestartCycle
+    from controlplane.jobs.spec import JobSpec, KubernetesSpec
+
+    rnd = random.Random(9)
+    now = timezone.now()
+    start = now - timedelta(hours=6)
+    spec = JobSpec(backend="kubernetes", nodes=nodes, procs_per_node=per_node, preset="1b", steps=10**6,
+                   checkpoint_interval=100, kubernetes=KubernetesSpec())
+    job = Job(name="fleet", spec=spec.to_dict(), backend="kubernetes", status="running", created_by=user,
+              created_at=start, started_at=start, first_step_at=start + timedelta(seconds=120),
+              last_step=20_000, max_step=20_000, last_progress_at=now)
+    job.issue_token()
+    job.save()
+    world = nodes * per_node
+    lost_node = nodes // 3
+    stalled = {rnd.randrange(world) for _ in range(5)}
+    slow = {rnd.randrange(world) for _ in range(5)}
+    silent = {rnd.randrange(world) for _ in range(20)}
+
+    def row(r: int) -> Rank:
+        if r in silent:
+            return Rank(job=job, rank=r, node="", phase="init")
+        age = rnd.uniform(0.0, 2.0)
+        fields = {}
+        if r // per_node == lost_node:
+            age = 75.0 + r % per_node
+            fields["lost_at"] = now - timedelta(seconds=40)
+        if r in stalled:
+            fields.update(stalled_at=now - timedelta(seconds=20), step_changed_at=now - timedelta(seconds=150))
+        if r in slow:
+            fields["straggler_at"] = now - timedelta(seconds=30)
+        hb = now - timedelta(seconds=age)
+        fields.setdefault("step_changed_at", hb)
+        # Deadlines as if the beats kept coming while the page is measured (minutes, not the 30 s timeout):
+        # only the lost node and the stalled ranks are past theirs, however long the measurement takes.
+        fields.setdefault("stale_at", now + timedelta(minutes=15) if "lost_at" not in fields else hb + timedelta(seconds=30))
+        fields.setdefault("stall_at", now + timedelta(minutes=30) if r not in stalled else now - timedelta(seconds=30))
+        return Rank(job=job, rank=r, node=f"node-{r // per_node:05d}", phase="train", last_heartbeat_at=hb,
+                    last_step=job.last_step, loss=2.0, step_time_s=0.5, tokens_per_s=40000.0,
+                    busy_s=0.4 * (1.5 if r in slow else 1.0) + rnd.random() / 100,
+                    **fields)
+
+    for i in range(0, world, 10_000):
+        Rank.objects.bulk_create([row(r) for r in range(i, min(world, i + 10_000))], batch_size=5000)
+    first = job.first_step_at
+    Checkpoint.objects.bulk_create([
+        Checkpoint(job=job, step=100 * (i + 1), mode="async", state="durable",
+                   started_at=first + timedelta(seconds=60 * i + 30), blocking_s=0.1,
+                   finished_at=first + timedelta(seconds=60 * i + 34), write_s=3.0, bytes=2 * 10**12)
+        for i in range(300)
+    ])
+    RestartCycle.objects.bulk_create([
+        RestartCycle(job=job, key=f"c{i}", layer=["in_process", "in_job", "job"][i % 3], reason="bench",
+                     fault_at=(f := first + timedelta(minutes=15 * i + 7)), detected_at=f + timedelta(seconds=0.5),
+                     aborted_at=f + timedelta(seconds=1), restarted_at=f + timedelta(seconds=3),
+                     checkpoint_loaded_at=f + timedelta(seconds=20), first_step_at=f + timedelta(seconds=30),
+                     step_at_fault=800 * i + 50, resumed_from_step=800 * i)
+        for i in range(20)
+    ])
+    cycles = list(RestartCycle.objects.filter(job=job).order_by("fault_at"))
+    classes = ["exception", "hang", "process_killed", "nan_loss", "heartbeat_lost"]
+    Fault.objects.bulk_create([
+        Fault(job=job, cycle=cycles[i % 20], fault_class=classes[i % 5], rank=(r := rnd.randrange(world)),
+              node=f"node-{r // per_node:05d}", detected_by="trainer", message=f"fleet fault {i}",
+              at=cycles[i % 20].fault_at, detected_at=cycles[i % 20].detected_at, source_key=f"fleet-{i}")
+        for i in range(60)
+    ] + [
+        Fault(job=job, fault_class="heartbeat_lost", rank=lost_node * per_node + k, node=f"node-{lost_node:05d}",
+              detected_by="watchdog", message="no heartbeat", at=now - timedelta(seconds=75 + k),
+              detected_at=now - timedelta(seconds=40), source_key=f"fleet-lost-{k}")
+        for k in range(per_node)
+    ])
+    Event.objects.bulk_create([
+        Event(job=job, event_id=f"s{r}", kind="straggler", rank=r, at=now - timedelta(seconds=30),
+              source="watchdog", data={"state": "marked", "slowdown_pct": 50.0})
+        for r in slow
+    ])
+    return job
+
+
+def measure_fleet(job, user, *, requests: int) -> dict:
+    """Medians of the fleet job's page, its live parts and its cursor poll (in-process, signed in)."""
+    from django.test import Client
+
+    c = Client(HTTP_HOST="127.0.0.1")
+    c.force_login(user)
+    urls = {
+        "job_page_ms": f"/jobs/{job.pk}/",
+        "timeline_ms": f"/jobs/{job.pk}/part/timeline/",
+        "ranks_ms": f"/jobs/{job.pk}/part/ranks/",
+        "live_ms": f"/jobs/{job.pk}/live/?c=",
+    }
+    out, size = {}, 0
+    for key, url in urls.items():
+        times = []
+        for i in range(requests + 1):
+            t = time.perf_counter()
+            resp = c.get(url)
+            assert resp.status_code == 200, (url, resp.status_code)
+            if i:
+                times.append((time.perf_counter() - t) * 1000)
+        out[key] = statistics.median(times)
+        if key == "job_page_ms":
+            size = len(resp.content)
+        print(f"fleet {key}: " + " ".join(f"{x:.0f}" for x in times))
+    out["page_bytes"] = size
+    return out
 
 
 def measure_page(job, user, *, requests: int) -> tuple[float, list[float]]:
@@ -433,6 +554,15 @@ def measure_live(job, token: str, user, *, faults: int, app: str) -> list[float]
             os.killpg(server.pid, signal.SIGKILL)
 
 
+def run_fleet(user, args) -> None:
+    t = time.perf_counter()
+    fleet = build_fleet_job(user, nodes=args.fleet_nodes)
+    print(f"built fleet job #{fleet.pk}: {fleet.world_size} ranks in {time.perf_counter() - t:.1f} s")
+    f = measure_fleet(fleet, user, requests=args.requests)
+    print(f"fleet ranks={fleet.world_size} job_page_ms={f['job_page_ms']:.0f} timeline_ms={f['timeline_ms']:.0f} "
+          f"ranks_ms={f['ranks_ms']:.0f} live_ms={f['live_ms']:.0f} page_bytes={f['page_bytes']}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--events", type=int, default=100_000)
@@ -440,8 +570,16 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=9)
     ap.add_argument("--faults", type=int, default=40, help="fault events posted during the live measurement")
     ap.add_argument("--app", default="controlplane.asgi:application", help="the ASGI app uvicorn serves")
+    ap.add_argument("--fleet-nodes", type=int, default=12_500,
+                    help="nodes (x 8 ranks) of the large job whose page is measured too; 0 skips it")
+    ap.add_argument("--fleet-only", action="store_true", help="measure only the large job's page")
     args = ap.parse_args()
     setup_django()
+    if args.fleet_only:
+        from django.contrib.auth.models import User
+
+        run_fleet(User.objects.create_user("bench", password="bench-password-123"), args)
+        return
     t = time.perf_counter()
     job, token, user = build_job(
         num_events=args.events, num_checkpoints=args.checkpoints, num_cycles=100, num_faults=150
@@ -455,6 +593,8 @@ def main() -> None:
     lat = sorted(measure_live(job, token, user, faults=args.faults, app=args.app))
     p95 = lat[min(len(lat) - 1, int(round(0.95 * (len(lat) - 1))))]
     print(f"live latency s: p50={statistics.median(lat):.3f} p95={p95:.3f} max={lat[-1]:.3f} (n={len(lat)})")
+    if args.fleet_nodes:
+        run_fleet(user, args)
     print(f"job_page_ms={page_ms:.0f} live_p95_s={p95:.2f}")
 
 

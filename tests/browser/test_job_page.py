@@ -1,7 +1,8 @@
 """The job page in a real browser, from facts written straight into the database (the point is what
 the page renders, not training): one fault reads the same in the table and the timeline, a finished
-job offers no command and no page offers to send data off the host, and the timeline keeps its lane
-height and legend through a click on a fault marker at 2, 4 and 64 ranks (screenshots under
+job offers no command and no page offers to send data off the host, the timeline keeps its lane
+height and legend through a click on a fault marker at 2, 4 and 64 ranks, and a 10,000-rank job's page
+groups its timeline by node, drills down to one node and draws a heartbeat heatmap (screenshots under
 test-artifacts/)."""
 
 from __future__ import annotations
@@ -18,9 +19,12 @@ from tests.controlplane.dashboard.factories import (
     make_checkpoint,
     make_cycle,
     make_fault,
+    make_fleet_job,
     make_job,
     make_rank,
+    node_name,
     populated_job,
+    silence,
 )
 
 pytestmark = [pytest.mark.browser, pytest.mark.django_db(transaction=True)]
@@ -142,3 +146,41 @@ def test_the_timeline_keeps_its_lanes_and_legend_after_a_click_on_a_fault(live_s
 def _artifact(name: str):
     ARTIFACTS.mkdir(exist_ok=True)
     return ARTIFACTS / name
+
+
+TICKS_JS = "() => [...document.querySelectorAll('#part-timeline .ytick text')].map(t => t.textContent)"
+
+
+def test_a_10000_rank_job_groups_its_timeline_by_node_and_drills_down_to_one(live_server, operator_page, shot):
+    page = operator_page
+    page.set_viewport_size({"width": 1600, "height": 1000})
+    now = timezone.now()
+    job = make_fleet_job(now, nodes=1250)  # 10,000 ranks
+    silence(job, [8 * 7 + 1, 8 * 7 + 2], now)
+    at = now - timedelta(seconds=60)
+    c = make_cycle(job, "a0-ij0-ip1", fault_at=at)
+    make_fault(job, at=at, rank=8 * 40 + 3, cycle=c, fault_class="hang", node=node_name(40))
+    page.goto(f"{live_server.url}/jobs/{job.pk}/")
+    page.wait_for_selector("#part-timeline .main-svg")
+    page.wait_for_selector("[data-testid=rank-heatmap] .main-svg")
+    assert page.evaluate(TICKS_JS) == ["job", node_name(7), node_name(40), "1,248 other nodes"]
+    assert "rank 323 (node-0040)" in hover_text(page, "fault · hang")
+    worst = page.locator("[data-testid=worst-ranks] tbody tr")
+    assert worst.nth(0).inner_text().startswith("r57") and "lost" in worst.nth(0).inner_text()
+    assert page.locator("[data-testid=rank-heatmap] .hm, [data-testid=rank-heatmap] image").count() >= 1
+    shot(page, "job-page-10000-ranks")
+
+    page.locator(f"#part-timeline [data-timeline-node='{node_name(40)}']").click()
+    page.wait_for_selector("[data-testid=timeline-node]")
+    page.wait_for_function("() => document.querySelectorAll('#part-timeline .ytick text').length === 9")
+    assert page.evaluate(TICKS_JS)[4] == f"r323 · {node_name(40)}"
+    page.locator("#part-timeline").screenshot(path=str(_artifact("timeline-10000-ranks-node-0040.png")))
+
+    page.locator("[data-testid=timeline-node] [data-timeline-node='']").click()
+    page.wait_for_selector("[data-testid=timeline-nodes]")
+    page.wait_for_function("() => document.querySelectorAll('#part-timeline .ytick text').length === 4")
+    pt = page.evaluate(POINTS_JS, "fault · hang")[0]  # a click on a node lane drills down too
+    page.mouse.click(pt["x"], pt["y"])
+    page.wait_for_selector("[data-testid=timeline-node]")
+    assert node_name(40) in page.locator("[data-testid=timeline-node]").inner_text()
+    assert not page.errors, page.errors

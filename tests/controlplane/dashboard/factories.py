@@ -9,7 +9,7 @@ from django.utils import timezone
 
 from controlplane.jobs.models import Checkpoint, Command, Fault, Job, Rank, RestartCycle
 from controlplane.jobs.roles import OPERATORS_GROUP
-from controlplane.jobs.spec import JobSpec
+from controlplane.jobs.spec import JobSpec, KubernetesSpec
 
 PASSWORD = "correct-horse-battery-staple"
 
@@ -74,6 +74,31 @@ def make_rank(
     }
     fields.update(kw)
     return Rank.objects.create(job=job, rank=rank, **fields)
+
+
+def make_fleet_job(now, *, nodes: int, per_node: int = 8, **kw):
+    """A running job of ``nodes`` x ``per_node`` ranks, all beating (rows written in bulk)."""
+    spec = JobSpec(backend="kubernetes", nodes=nodes, procs_per_node=per_node, steps=10**6,
+                   kubernetes=KubernetesSpec())
+    job = make_job(now=now, spec=spec.to_dict(), **kw)
+    hb = now - timedelta(seconds=0.5)
+    Rank.objects.bulk_create([
+        Rank(job=job, rank=r, node=node_name(r // per_node), phase="train", last_heartbeat_at=hb,
+             last_step=job.last_step, step_changed_at=hb, step_time_s=0.5, busy_s=0.4,
+             stale_at=hb + timedelta(seconds=30), stall_at=hb + timedelta(seconds=120))
+        for r in range(nodes * per_node)
+    ], batch_size=2000)
+    return job
+
+
+def node_name(i: int) -> str:
+    return f"node-{i:04d}"
+
+
+def silence(job: Job, ranks: list[int], now: datetime, age_s: float = 60.0) -> None:
+    """The ranks' last heartbeat ``age_s`` ago, past their 30 s deadline."""
+    hb = now - timedelta(seconds=age_s)
+    Rank.objects.filter(job=job, rank__in=ranks).update(last_heartbeat_at=hb, stale_at=hb + timedelta(seconds=30))
 
 
 def make_cycle(
