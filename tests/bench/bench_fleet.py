@@ -11,16 +11,19 @@ per 2 s, every agent sending its node's spool upstream once per 2 s. Phases:
    request was shed (429) or failed, and the simulator kept its schedule (p99 lag under 0.5 s). Stepping
    stops at the first step not held. Each step prints its rates, the p99 of the agents' upstream
    requests, and each process's CPU; the ingest server's cost per core comes from the highest step held.
-2. A job-wide in-job restart: every rank of the whole fleet posts the six cycle marks of one restart
-   (600,000 marks); ``storm_drain_s`` is from the first post to the moment every mark is a row in the
-   database (the cycle folded: one ``RestartCycle``), ``lost`` = events the agents accepted from the ranks
-   minus events stored, over the whole run (command acks included; a replayed event counts once).
-3. The job page: ``GET /jobs/<id>/`` on the production server as a signed-in operator, the median of
-   ``--page-requests`` after one warm-up (loopback wall time: the server's time plus microseconds).
-4. Commands: while the held fleet beats, an operator issues in-process restarts of single ranks through
+2. Commands: while the held fleet beats, an operator issues in-process restarts of single ranks through
    the operator API (``POST /api/v1/jobs/<id>/commands``, the service the UI's button calls);
    ``command_p99_s`` is from the POST to the moment the target rank's post to its agent is answered
    with the command (the rank then acknowledges it).
+3. A job-wide in-job restart: every rank of the whole fleet posts the six cycle marks of one restart
+   (600,000 marks); ``storm_drain_s`` is from the first post to the moment every mark is a row in the
+   database (the cycle folded: one ``RestartCycle``), nan when that took longer than
+   ``--storm-timeout-s`` (the line before says how many were stored by then). Then the agents send the
+   rest (at most ``--tail-s``); ``lost`` = events the agents accepted from the ranks minus events stored,
+   over the whole run (command acks included; a replayed event counts once).
+4. The job page: ``GET /jobs/<id>/`` on the production server as a signed-in operator, the median of
+   ``--page-requests`` after one warm-up, within ``--page-budget-s`` (loopback wall time: the server's
+   time plus microseconds).
 
 If the machine cannot hold the whole fleet it says so: the fraction held, the ingest server's node
 requests per core, and the replicas those imply for 100,000 GPUs. The last line is exactly::
@@ -311,8 +314,10 @@ def main() -> None:
     p.add_argument("--hold", type=float, default=0.95, help="share of the offered heartbeats that counts as held")
     p.add_argument("--shards", type=int, default=2, help="simulator processes")
     p.add_argument("--threads", type=int, default=32, help="sender threads per simulator process")
-    p.add_argument("--storm-timeout-s", type=float, default=150.0)
+    p.add_argument("--storm-timeout-s", type=float, default=120.0)
+    p.add_argument("--tail-s", type=float, default=90.0, help="at most this long to send the storm's rest")
     p.add_argument("--page-requests", type=int, default=5)
+    p.add_argument("--page-budget-s", type=float, default=60.0)
     p.add_argument("--commands", type=int, default=8)
     p.add_argument("--command-every-s", type=float, default=1.3)
     p.add_argument("--workers", type=int, default=2, help="uvicorn worker processes")
@@ -356,27 +361,33 @@ def main() -> None:
         held = [s for s in steps if s["held"]]
         best = held[-1] if held else steps[0]
 
+        # Commands first, while the held fleet beats with nothing queued: after the storm the agents'
+        # sends would wait behind its backlog (one send per node at a time), which is the storm's figure.
+        delivery = commands(fl, base, job.pk, nodes=best["nodes"], args=args)
+        log(f"commands at {best['ranks']} ranks beating: delivery s " + " ".join(f"{d:.2f}" for d in sorted(delivery)))
+
         st = storm(fl, job, nodes=args.nodes, args=args)
         log(f"storm: {st['marks']} cycle marks posted by {ranks} ranks (posting took {st['posted_s']:.1f} s), "
-            f"{st['stored']} stored, drained in {st['drain_s']:.1f} s; {st['requests']} agent requests "
-            f"(p99 {st['p99_ms']:.0f} ms, {st['not_ok']} not ok); restart cycles for it: {st['cycles']} "
-            f"({st['marks_set']} of 6 marks set); spool left {st['spool_left']}")
-
+            f"{st['stored']} stored after {args.storm_timeout_s:.0f} s at most, drained in {st['drain_s']:.1f} s; "
+            f"{st['requests']} agent requests (p99 {st['p99_ms']:.0f} ms, {st['not_ok']} not ok); restart cycles for "
+            f"it: {st['cycles']} ({st['marks_set']} of 6 marks set); spool files left {st['spool_left']}")
+        t = time.time()
+        tail = fl.run(active=args.nodes, t0=t, duration_s=args.tail_s, posts="none", until_drained=True)
         from controlplane.jobs.models import Event, Rank
+
+        sent = tail["events_taken"]
+        stored = Event.objects.filter(job=job).count()
+        lost = sent - stored
+        log(f"events: {sent} accepted by the agents from the ranks, {stored} stored, spool files left "
+            f"{tail['pending']} after {time.time() - t:.0f} s more of sending")
 
         t = time.time()
         while time.time() < t + 15 and Rank.objects.filter(job=job).count() < ranks:
             time.sleep(0.5)
         num_rank_rows = Rank.objects.filter(job=job).count()
-        page_ms, page_bytes, page_n = job_page(base, job.pk, sessionid, requests=args.page_requests, budget_s=90.0)
+        page_ms, page_bytes, page_n = job_page(base, job.pk, sessionid, requests=args.page_requests,
+                                               budget_s=args.page_budget_s)
         log(f"job page: {page_bytes} bytes, {num_rank_rows} rank rows, median of {page_n}: {page_ms:.0f} ms")
-
-        delivery = commands(fl, base, job.pk, nodes=best["nodes"], args=args)
-        log(f"commands at {best['ranks']} ranks beating: delivery s " + " ".join(f"{d:.2f}" for d in sorted(delivery)))
-        tail = fl.run(active=args.nodes, t0=time.time(), duration_s=60.0, posts="none", until_drained=True)
-        sent = tail["events_taken"]
-        stored = Event.objects.filter(job=job).count()
-        lost = sent - stored
 
         rps_core = best["node_requests_per_s"] / max(1e-9, best["cpu"]["server"])
         full_rps = GPUS / fleet.RANKS_PER_NODE / args.interval_s
