@@ -19,8 +19,9 @@ per 2 s, every agent sending its node's spool upstream once per 2 s. Phases:
    (600,000 marks); ``storm_drain_s`` is from the first post to the moment every mark is a row in the
    database (the cycle folded: one ``RestartCycle``), nan when that took longer than
    ``--storm-timeout-s`` (the line before says how many were stored by then). Then the agents send the
-   rest (at most ``--tail-s``); ``lost`` = events the agents accepted from the ranks minus events stored,
-   over the whole run (command acks included; a replayed event counts once).
+   rest (at most ``--tail-s``); ``lost`` = events the agents accepted from the ranks minus events stored
+   minus events still in the agents' spools (not sent yet, printed apart), over the whole run (command
+   acks included; a replayed event counts once).
 4. The job page: ``GET /jobs/<id>/`` on the production server as a signed-in operator, the median of
    ``--page-requests`` after one warm-up, within ``--page-budget-s`` (loopback wall time: the server's
    time plus microseconds).
@@ -123,6 +124,10 @@ class Fleet:
             for k, v in r.items():
                 out[k] = min(v, out.get(k, v))
         return out
+
+    def spooled(self) -> int:
+        self.start("spooled")
+        return sum(self.results())
 
     @property
     def pids(self) -> list[int]:
@@ -377,9 +382,11 @@ def main() -> None:
 
         sent = tail["events_taken"]
         stored = Event.objects.filter(job=job).count()
-        lost = sent - stored
-        log(f"events: {sent} accepted by the agents from the ranks, {stored} stored, spool files left "
-            f"{tail['pending']} after {time.time() - t:.0f} s more of sending")
+        spooled = fl.spooled()  # not sent yet: still on the agents' disks, neither stored nor lost
+        lost = sent - stored - spooled
+        log(f"events: {sent} accepted by the agents from the ranks, {stored} stored, {spooled} still in the "
+            f"agents' spools ({tail['pending']} files) after {time.time() - t:.0f} s more of sending; "
+            f"lost = {sent} - {stored} - {spooled}")
 
         t = time.time()
         while time.time() < t + 15 and Rank.objects.filter(job=job).count() < ranks:

@@ -185,13 +185,23 @@ class Shard:
     def pending(self, active: int) -> int:
         return sum(len(n.agent.spool.pending()) for n in self.nodes if n.index < active)
 
+    def spooled_events(self) -> int:
+        """Events the agents hold on disk, not sent yet (neither stored nor lost)."""
+        n = 0
+        for node in self.nodes:
+            for name in node.agent.spool.pending():
+                n += len((node.agent.spool.load(name) or {}).get("events", []))
+        return n
+
     def serve(self, conn: Any) -> None:
-        """Answer the bench's messages: ("run", kwargs) | ("drain", kwargs) | ("seen", None) | ("stop", None)."""
+        """Answer the bench's messages: ("run", kwargs) | ("drain", kwargs) | ("seen", None) | ("spooled", None) | ("stop", None)."""
         conn.send(("ready", len(self.nodes)))
         while True:
             op, kw = conn.recv()
             if op == "run":
                 conn.send(self.run(**kw))
+            elif op == "spooled":
+                conn.send(self.spooled_events())
             elif op == "seen":
                 conn.send(dict(self.seen))
             elif op == "stop":
