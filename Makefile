@@ -13,7 +13,7 @@ NVRX_NEXT := 0.6.0
 NVRX_NEXT_SITE := $(CURDIR)/.nvrx/$(NVRX_NEXT)/site
 NVRX_WHEEL_TAGS := --only-binary=:all: --platform manylinux_2_39_x86_64 --python-version 3.11 --implementation cp
 
-.PHONY: up install nvrx-next test test-nvrx-next test-fast bench-ingest bench-recovery bench-checkpoint bench-dashboard bench-sdk bench-chaos bench-straggler k8s-e2e clean
+.PHONY: up install nvrx-next test test-nvrx-next test-fast bench-ingest bench-fleet bench-recovery bench-checkpoint bench-dashboard bench-sdk bench-chaos bench-straggler k8s-e2e clean
 
 $(VENV)/.installed: requirements.lock trainer/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -64,6 +64,9 @@ test-fast: install $(DATA)/secret_key
 
 bench-ingest: install $(DATA)/secret_key
 	$(PY) tests/bench/bench_ingest.py
+
+bench-fleet: install $(DATA)/secret_key
+	$(PY) tests/bench/bench_fleet.py
 
 # NVRX=$(NVRX_NEXT) runs it with that release (its site directory ahead of .venv's 0.4.1).
 bench-recovery: install $(DATA)/secret_key $(if $(NVRX),nvrx-next)

@@ -25,108 +25,30 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import secrets
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from datetime import UTC, datetime
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import loadgen  # noqa: E402
+from prodshape import (  # noqa: E402
+    bench_env,
+    cpu_seconds,
+    cpu_since,
+    machine_busy,
+    prepare,
+    server_cpu,
+    start_server,
+    start_worker,
+    stop,
+    wait_http,
+)
 from trainer.ports import free_port  # noqa: E402
-
-PY = sys.executable
-DEFAULT_DB = "postgres://postgres@127.0.0.1:5432/unbroken_bench"
-DEFAULT_REDIS = "redis://127.0.0.1:6379/9"
-# The production app: Django with the ingest fast path in front (controlplane/ingest/asgi.py).
-ASGI_APP = "controlplane.asgi:application"
-
-
-def ensure_database(url: str) -> None:
-    import psycopg
-    from urllib.parse import urlparse
-
-    u = urlparse(url)
-    name = u.path.lstrip("/")
-    admin = url.replace(f"/{name}", "/postgres", 1) if name else url
-    with psycopg.connect(admin, autocommit=True) as conn:
-        if not conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", [name]).fetchone():
-            conn.execute(f'CREATE DATABASE "{name}"')
-
-
-def wait_http(url: str, timeout_s: float = 30.0) -> None:
-    deadline = time.time() + timeout_s
-    while time.time() < deadline:
-        try:
-            with urllib.request.urlopen(url, timeout=1) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            time.sleep(0.2)
-    raise SystemExit(f"the server did not answer {url} within {timeout_s:.0f} s")
-
-
-def stop(proc: subprocess.Popen, timeout_s: float = 10.0) -> None:
-    """Stop a process group this script started (by its own pid)."""
-    if proc.poll() is not None:
-        return
-    try:
-        proc.terminate()  # the server or worker stops its own children
-        proc.wait(timeout_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-    except ProcessLookupError:
-        pass
-
-
-def cpu_seconds(pids: list[int], *, children: bool = True) -> float:
-    import psutil
-
-    total = 0.0
-    for pid in pids:
-        try:
-            p = psutil.Process(pid)
-            for q in [p, *(p.children(recursive=True) if children else [])]:
-                t = q.cpu_times()
-                total += t.user + t.system
-        except psutil.NoSuchProcess:
-            pass
-    return total
-
-
-def machine_busy() -> float:
-    """Whole-machine CPU use over the last run, in % of all cores (other users included)."""
-    import psutil
-
-    return psutil.cpu_percent(interval=None)
-
-
-def server_cpu(name: str) -> dict[int, float]:
-    """CPU seconds so far of each process of a shared server (redis-server, postgres), by pid.
-
-    Their CPU includes other clients' work. Postgres forks a backend per connection, so compare two
-    of these with ``cpu_since`` (a backend that appears in between counts from zero).
-    """
-    import psutil
-
-    out = {}
-    for p in psutil.process_iter(["name", "cpu_times"]):
-        if (p.info["name"] or "").startswith(name) and p.info["cpu_times"] is not None:
-            out[p.pid] = p.info["cpu_times"].user + p.info["cpu_times"].system
-    return out
-
-
-def cpu_since(before: dict[int, float], after: dict[int, float]) -> float:
-    return sum(v - before.get(pid, 0.0) for pid, v in after.items())
 
 
 def one_run(args: argparse.Namespace, env: dict[str, str], run_no: int, tmp: Path) -> dict:
@@ -142,16 +64,8 @@ def one_run(args: argparse.Namespace, env: dict[str, str], run_no: int, tmp: Pat
     token = job.issue_token()
     job.save()
     port = free_port()
-    server = subprocess.Popen(
-        [PY, "-m", "uvicorn", ASGI_APP, "--host", "127.0.0.1", "--port", str(port),
-         "--workers", str(args.workers), "--loop", "uvloop", "--http", "httptools", "--no-access-log",
-         "--log-level", "warning", "--backlog", "2048"],
-        cwd=ROOT, env=env, start_new_session=True)
-    worker = subprocess.Popen(
-        [PY, "-m", "celery", "-A", "controlplane", "worker", "-B", "-Q", "default,launch", "-c",
-         str(args.celery_concurrency), "--loglevel", "WARNING", "-s", str(tmp / f"beat-{run_no}"),
-         "--without-gossip", "--without-mingle", "--without-heartbeat"],
-        cwd=ROOT, env=env, start_new_session=True)
+    server = start_server(env, port, workers=args.workers)
+    worker = start_worker(env, tmp / f"beat-{run_no}", concurrency=args.celery_concurrency)
     try:
         wait_http(f"http://127.0.0.1:{port}/api/v1/openapi.json")
         silent = args.ranks // 2 + 7
@@ -234,27 +148,9 @@ def main() -> None:
                         "beating every second, one run after the batched ones (0: skip)")
     args = p.parse_args()
 
-    db_url = os.environ.get("DATABASE_URL") or DEFAULT_DB
-    redis_url = os.environ.get("REDIS_URL") or DEFAULT_REDIS
     tmp = Path(tempfile.mkdtemp(prefix="bench-ingest-"))
-    env = {**os.environ, "DATABASE_URL": db_url, "REDIS_URL": redis_url, "UNBROKEN_DEBUG": "false",
-           "UNBROKEN_SECRET_KEY": secrets.token_urlsafe(50), "UNBROKEN_DATA_DIR": str(tmp),
-           "UNBROKEN_LOG_LEVEL": "WARNING", "PYTHONPATH": str(ROOT), "DJANGO_SETTINGS_MODULE": "controlplane.settings"}
-    os.environ.update(env)
-    ensure_database(db_url)
-    subprocess.run([PY, "manage.py", "migrate", "--noinput", "-v", "0"], cwd=ROOT, env=env, check=True)
-
-    import django
-
-    django.setup()
-    import redis
-
-    r = redis.Redis.from_url(redis_url)
-    if redis_url == DEFAULT_REDIS:
-        r.flushdb()  # the bench's own database
-    else:
-        for key in r.scan_iter("ubk:hb:*", count=1000):
-            r.delete(key)
+    env = bench_env(tmp)
+    prepare(env)
 
     from controlplane.jobs.models import Job
 
