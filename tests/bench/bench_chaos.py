@@ -47,7 +47,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests" / "bench"))
 
-from bench_ingest import ensure_database  # noqa: E402
+from prodshape import ensure_database  # noqa: E402
 from trainer.ports import free_port  # noqa: E402
 
 DEFAULT_DB = "postgres://postgres@127.0.0.1:5432/unbroken_chaos"
