@@ -4,6 +4,8 @@ End-to-end fixtures: the real control plane (live server, a real Celery worker a
 in-memory broker, in threads of the test process) driving real training processes.
 """
 
+import logging
+
 import pytest
 from celery.beat import EmbeddedService
 from celery.contrib.testing.worker import start_worker
@@ -35,6 +37,10 @@ def celery_worker_thread():
     celery_app.conf.CELERY_BROKER_TRANSPORT_OPTIONS = {}
     celery_app.conf.task_always_eager = False
     _drop_connection_pools()  # producers cached by earlier tests would still publish to the old broker
+    # Celery's worker set-up sets the root logger's level to its own (ERROR): later tests' log checks
+    # (caplog) would see nothing, so the root logger is put back as it was.
+    root = logging.getLogger()
+    root_level, root_handlers = root.level, list(root.handlers)
     try:
         with start_worker(celery_app, pool="solo", perform_ping_check=False, queues=["default", "launch"],
                           shutdown_timeout=30) as worker:
@@ -42,6 +48,8 @@ def celery_worker_thread():
     finally:
         celery_app.conf.update(saved)
         _drop_connection_pools()
+        root.setLevel(root_level)
+        root.handlers[:] = root_handlers
 
 
 def _drop_connection_pools():

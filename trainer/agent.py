@@ -11,6 +11,9 @@ for a merged batch: it sends that batch's parts one by one, so one rank's bad ba
 Commands, the trade-off: ranks get the cached command set at once instead of waiting for the upstream
 answer, so a rank's post never waits on the control plane, and a command reaches the rank within one
 agent interval plus one rank interval of reaching the control plane. Ranks dedupe commands by id.
+A rank's ``command_ack`` skips both waits on its way back: its reporter sends it at once and the agent
+sends a batch holding one upstream at once, so click to acknowledgement is at most one agent interval
+plus one rank interval (two heartbeat intervals) plus the requests' own time.
 
 Never a new single point of failure: a rank whose post to the agent fails (refused, timed out) sends
 to the control plane directly (``HttpReporter``'s ``fallback_url``); ``trainer.launch`` restarts an agent
@@ -36,7 +39,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from trainer.reporter import DROP, OK, RETRY, Spool, post_batch
-from trainer.wire import MAX_BODY_BYTES, MAX_EVENTS, MAX_HEARTBEATS, WIRE_VERSION
+from trainer.wire import MAX_BODY_BYTES, MAX_EVENTS, MAX_HEARTBEATS, WIRE_VERSION, EventKind
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +87,8 @@ class NodeAgent:
         with self._lock:
             self.spool.append(batch)
             self.relayed_batches += 1
+        if any(type(e) is dict and e.get("kind") == EventKind.COMMAND_ACK for e in batch.get("events", ())):
+            self._wake.set()  # an acknowledgement goes upstream now: the operator is waiting on it
         return 200, {"accepted": {"heartbeats": len(batch.get("heartbeats", [])),
                                   "events": len(batch.get("events", [])), "duplicates": 0},
                      "commands": self.commands, "server_time": time.time(), "job_status": self.job_status}

@@ -151,6 +151,8 @@ class HttpReporter:
         self._q.append(("ev", Event(id=f"{self._id_prefix}-{seq}", kind=str(kind),
                                     at=time.time() if at is None else at,
                                     rank=self.rank if rank is _UNSET else rank, data=_jsonable(data or {}))))
+        if kind == EventKind.COMMAND_ACK:  # the operator is waiting on it: sent now, not at the next interval
+            self._wake.set()
 
     def flush(self) -> None:
         self._wake.set()

@@ -1,6 +1,7 @@
 """Checkpoints: only durable ones (.metadata + COMMITTED) are loaded; torn ones are reported and removed;
 the last K are kept."""
 
+import logging
 import shutil
 import subprocess
 
@@ -184,6 +185,7 @@ def test_a_node_local_copy_that_would_not_fit_is_skipped_and_no_older_one_is_lef
 
     from trainer.checkpoint import LocalCopy
 
+    caplog.set_level(logging.WARNING, logger="trainer.checkpoint")
     copy_ = LocalCopy(str(tmp_path), rank=0, world=1)
     state, _, _ = _app(0)
     assert copy_.write(3, {"app": state.state_dict()}) and copy_.newest() == 3
@@ -198,6 +200,7 @@ def test_a_node_local_directory_that_cannot_be_made_turns_the_copies_off_not_the
     from trainer.checkpoint import Checkpointer, MemorySnapshot
     from trainer.wire import CheckpointMode
 
+    caplog.set_level(logging.WARNING, logger="trainer.checkpoint")
     blocker = tmp_path / "file"
     blocker.write_text("")  # a file where the directory should be
     ck = Checkpointer(root=str(tmp_path / "ckpt"), mode=CheckpointMode.ASYNC, keep=2, pg=one_rank_world,

@@ -134,3 +134,25 @@ def test_it_journals_every_event_it_sends_when_asked(tmp_path, receiver, monkeyp
     lines = [json.loads(x) for f in tmp_path.glob("*.jsonl") for x in f.read_text().splitlines()]
     assert [e["id"] for e in lines] == [e["id"] for e in receiver.events()]
     assert [e["data"]["step"] for e in lines] == [0, 1, 2, 3, 4]
+
+
+def test_an_acknowledgement_goes_upstream_at_once_through_the_node_agent(tmp_path, receiver):
+    """Beats wait for the next interval; a command_ack does not (reporter and agent both send it now)."""
+    from trainer.agent import NodeAgent
+
+    agent = NodeAgent(upstream=receiver.url, job_id="42", token="tok", spool_dir=str(tmp_path / "agent"),
+                      interval_s=30.0).start()
+    rep = make_reporter(url=receiver.url, agent_url=agent.url, job_id="42", token="tok", source="rank:0", rank=0,
+                        spool_dir=str(tmp_path / "spool"), interval_s=30.0)
+    try:
+        time.sleep(0.2)  # both are now inside their first 30 s wait
+        rep.heartbeat(step=7, phase="train")
+        time.sleep(0.5)
+        assert receiver.batches == []  # a beat waits for the interval
+        rep.event(EventKind.COMMAND_ACK, {"command_id": 3, "ok": True, "detail": "accepted"})
+        assert wait_for(lambda: any(e["kind"] == "command_ack" for e in receiver.events()), 5)
+        assert [h["step"] for h in receiver.heartbeats()] == [7]  # what was queued before it went with it
+        assert rep.sent_direct == 0
+    finally:
+        rep.close(timeout_s=1)
+        agent.stop(timeout_s=1)

@@ -66,7 +66,15 @@ def test_the_node_sends_one_request_per_interval_and_gets_its_commands(server, t
         cmd = Command.objects.create(job=job, kind="inject_fault", fault="exception", rank=1)
         _report(reps, range(21, 31))
         assert wait_for(lambda: _saves(job) == _expected(range(1, 31)), 30), len(_saves(job))
-        assert wait_for(lambda: all(any(c["id"] == cmd.pk for c in inbox.get(r, [])) for r in range(RANKS)), 10)
+        # Ranks get commands in the answers to their posts: they keep beating, as training ranks do.
+        step = 31
+        deadline = time.time() + 15
+        while not all(any(c["id"] == cmd.pk for c in inbox.get(r, [])) for r in range(RANKS)):
+            assert time.time() < deadline, {r: [c["id"] for c in inbox.get(r, [])] for r in range(RANKS)}
+            for r, rep in enumerate(reps):
+                rep.heartbeat(step=step, phase="train")
+            step += 1
+            time.sleep(0.1)
     finally:
         for rep in reps:
             rep.close()
@@ -74,7 +82,7 @@ def test_the_node_sends_one_request_per_interval_and_gets_its_commands(server, t
     sent_by_ranks = sum(rep.sent_batches for rep in reps)
     assert sent_by_ranks >= 4 * agent.upstream_requests, (sent_by_ranks, agent.upstream_requests)
     assert sum(rep.sent_direct for rep in reps) == 0
-    assert Rank.objects.filter(job=job, last_step=30).count() == RANKS
+    assert Rank.objects.filter(job=job, last_step__gte=30).count() == RANKS
     assert set(Event.objects.filter(job=job).values_list("source", flat=True)) == {agent.source}
 
 
