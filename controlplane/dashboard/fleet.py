@@ -29,6 +29,8 @@ from django.db.models import Case, Count, F, Min, Q, Value, When
 from django.db.models.functions import Mod
 
 from controlplane.dashboard.charts import BASE_LAYOUT, fmt_s
+from controlplane.dashboard.timeline import Span
+from controlplane.dashboard.timeline_figure import PRIORITY
 from controlplane.jobs import figures, health, outages
 from controlplane.jobs.goodput import Epoch
 from controlplane.jobs.heartbeats import Timeouts
@@ -127,6 +129,34 @@ def node_lanes(job: Job, severity: dict[str, int]) -> tuple[list[dict], set[str]
 
 def lane_key(node: str, shown: set[str]) -> str:
     return f"node:{node}" if node in shown else OTHER_LANE
+
+
+def group_by_node(
+    job: Job, per_rank: list[Span], faults: list[dict], nodes: dict[int, str], t0: float, t1: float
+) -> tuple[list[dict], list[Span]]:
+    """A large job's lanes: a lane per node with rank-level phases or faults in view (the most alarming
+    first, ``node_lanes``), every other node in one; each span and fault moves to its node's lane
+    and names its rank and node (hover)."""
+    order = {p: i for i, p in enumerate(PRIORITY)}
+    severity: dict[str, int] = {}
+    for s in per_rank:
+        if s.end >= t0 and s.start <= t1:
+            n = nodes.get(s.lane, "")
+            severity[n] = min(severity.get(n, len(order)), order.get(s.phase, len(order)))
+    for f in faults:
+        if f["rank"] is not None and t0 <= f["at"] <= t1:
+            n = f["node"] or nodes.get(f["rank"], "")
+            severity[n] = min(severity.get(n, len(order) + 1), len(order))
+    lanes, shown = node_lanes(job, severity)
+    moved = [
+        Span(s.start, s.end, s.phase, lane_key(nodes.get(s.lane, ""), shown),
+             f"rank {s.lane} on {nodes.get(s.lane) or 'a node not named yet'}: {s.label}", s.open)
+        for s in per_rank
+    ]
+    for f in faults:
+        if f["rank"] is not None:
+            f["lane"] = lane_key(f["node"] or nodes.get(f["rank"], ""), shown)
+    return lanes, moved
 
 
 def node_ranks(job: Job, node: str) -> dict[int, Rank]:

@@ -94,7 +94,8 @@ class JobForm(forms.Form):
         required=False, label="Node-local copy of the newest async save",
         help_text="in-job restarts load it from the node's shared memory instead of the durable checkpoint")
     in_process = forms.BooleanField(required=False, label="In-process restarts (NVRx Wrapper)")
-    node_agent = forms.BooleanField(required=False, label="Node agent (one request per node per interval)")
+    node_agent = forms.BooleanField(required=False, label="Node agent (one request per node per interval)",
+                                    help_text="recommended past one node (the API turns it on there when unset)")
     in_job = forms.BooleanField(required=False, label="In-job restarts (ft_launcher)")
     job_restart = forms.BooleanField(required=False, label="Job-level restarts (new processes / pods)")
     max_in_process_restarts = forms.IntegerField(min_value=0)

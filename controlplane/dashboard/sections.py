@@ -15,7 +15,7 @@ from django.core.paginator import Paginator
 from django.db.models import Count, Max, Q
 
 from controlplane.dashboard import charts, fleet
-from controlplane.dashboard.timeline_figure import PRIORITY, timeline_figure
+from controlplane.dashboard.timeline_figure import timeline_figure
 from controlplane.dashboard.outage_band import add_outage_bands
 from controlplane.dashboard.timeline import STRAGGLER, Span, job_spans, rank_spans, ts
 from controlplane.jobs import figures, health, outages, policy
@@ -336,7 +336,7 @@ def timeline_part(
                              f"straggler: rank {rank} slower than the others", open=stop is None and is_open))
     if mode == "nodes":
         nodes.update(fleet.rank_nodes(job, {s.lane for s in per_rank} - set(nodes)))  # stragglers' nodes
-        lanes, per_rank = _group_by_node(job, per_rank, faults, nodes, t0, t1)
+        lanes, per_rank = fleet.group_by_node(job, per_rank, faults, nodes, t0, t1)
     spans += per_rank
     commands = [
         {
@@ -376,34 +376,6 @@ def timeline_part(
     fig["lane_nodes"] = [None] + [ln.get("node") if mode == "nodes" else None for ln in lanes]
     fig["nodes_shown"] = [ln["node"] for ln in lanes if mode == "nodes" and ln.get("node") is not None]
     return fig
-
-
-def _group_by_node(
-    job: Job, per_rank: list[Span], faults: list[dict], nodes: dict[int, str], t0: float, t1: float
-) -> tuple[list[dict], list[Span]]:
-    """A large job's lanes: a lane per node with rank-level phases or faults in view (the most alarming
-    first, ``fleet.node_lanes``), every other node in one; each span and fault moves to its node's lane
-    and names its rank and node (hover)."""
-    order = {p: i for i, p in enumerate(PRIORITY)}
-    severity: dict[str, int] = {}
-    for s in per_rank:
-        if s.end >= t0 and s.start <= t1:
-            n = nodes.get(s.lane, "")
-            severity[n] = min(severity.get(n, len(order)), order.get(s.phase, len(order)))
-    for f in faults:
-        if f["rank"] is not None and t0 <= f["at"] <= t1:
-            n = f["node"] or nodes.get(f["rank"], "")
-            severity[n] = min(severity.get(n, len(order) + 1), len(order))
-    lanes, shown = fleet.node_lanes(job, severity)
-    moved = [
-        Span(s.start, s.end, s.phase, fleet.lane_key(nodes.get(s.lane, ""), shown),
-             f"rank {s.lane} on {nodes.get(s.lane) or 'a node not named yet'}: {s.label}", s.open)
-        for s in per_rank
-    ]
-    for f in faults:
-        if f["rank"] is not None:
-            f["lane"] = fleet.lane_key(f["node"] or nodes.get(f["rank"], ""), shown)
-    return lanes, moved
 
 
 def fault_dict(f: Fault, nodes: dict[int, str]) -> dict:

@@ -314,11 +314,11 @@ def _apply_cycles(job: Job, cycle_events: list[Any], fault_events: list[Any],
         if k in commands:
             _link_command(job, qs, commands[k])
         if k in resumed:
-            qs.update(resumed_from_step=resumed[k])
+            qs.exclude(resumed_from_step=resumed[k]).update(resumed_from_step=resumed[k])  # no write when same
         elif k in first_steps:  # Level 0/1: no checkpoint step; the first step after the restart follows it
             qs.filter(resumed_from_step__isnull=True).update(resumed_from_step=max(0, first_steps[k] - 1))
         if k in restored:
-            qs.update(restored_from=restored[k])
+            qs.exclude(restored_from=restored[k]).update(restored_from=restored[k])
         if k in at_fault:
             qs.filter(step_at_fault__isnull=True).update(step_at_fault=at_fault[k])
         if k in reasons:

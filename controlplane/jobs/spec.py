@@ -150,7 +150,7 @@ class JobSpec:
     straggler_margin_pct: float = 20.0
     straggler_window_s: float = 5.0
     # One node agent per node (trainer/agent.py) relays the node's ranks' reports as one request per
-    # interval; the ranks post directly when it is away.
+    # interval; the ranks post directly when it is away. Unset in the API's spec: on past one node.
     node_agent: bool = False
     drills: tuple[Drill, ...] = ()
     # Rules from a fault (class, exit code, signal, pod reason) to an action; none: each layer's default.
@@ -280,6 +280,8 @@ class JobSpec:
                 kwargs["failure_policy"] = parse_rules(kwargs["failure_policy"])
             if isinstance(kwargs.get("args"), list):
                 kwargs["args"] = tuple(kwargs["args"])
+            if "node_agent" not in kwargs and type(kwargs.get("nodes")) is int and kwargs["nodes"] > 1:
+                kwargs["node_agent"] = True  # one request per node where there are several: make bench-fleet
             if kwargs.get("entrypoint") and "in_process" not in kwargs:
                 kwargs["in_process"] = False  # re-enters only an SDK entrypoint function: opt in
         except PolicyError as e:

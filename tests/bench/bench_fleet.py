@@ -44,6 +44,7 @@ import multiprocessing
 import os
 import random
 import shutil
+import signal
 import statistics
 import sys
 import tempfile
@@ -329,6 +330,9 @@ def main() -> None:
     p.add_argument("--celery-concurrency", type=int, default=2)
     args = p.parse_args()
     t_start = time.time()
+    # `timeout` (or a Ctrl-C in another terminal) sends SIGTERM: unwind through the `finally` below, so the
+    # server, the Celery worker and the fleet's processes are stopped, not left running.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-fleet-"))
     env = bench_env(tmp, db=OWN_DB, redis=OWN_REDIS)

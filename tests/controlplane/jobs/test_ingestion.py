@@ -228,6 +228,7 @@ def test_the_training_sample_is_per_job_not_per_web_process():
     from controlplane.jobs.models import TrainingSample
 
     job, _ = make_job()
+    ingestion._last_sample.clear()  # SQLite reuses a rolled-back test's job id: forget its samples
     t = time.time()
     record(job, heartbeats=[hb(0, 5, at=t, loss=2.5)])
     ingestion._last_sample.clear()  # another web process: it has sampled nothing itself
