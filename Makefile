@@ -70,7 +70,7 @@ bench-fleet: install $(DATA)/secret_key
 
 # NVRX=$(NVRX_NEXT) runs it with that release (its site directory ahead of .venv's 0.4.1).
 bench-recovery: install $(DATA)/secret_key $(if $(NVRX),nvrx-next)
-	$(if $(NVRX),PYTHONPATH=$(NVRX_NEXT_SITE):$(CURDIR)) $(PY) tests/bench/bench_recovery.py
+	$(if $(NVRX),PYTHONPATH=$(NVRX_NEXT_SITE):$(CURDIR)) $(PY) tests/bench/bench_recovery.py $(ARGS)
 
 bench-checkpoint: install $(DATA)/secret_key
 	$(PY) tests/bench/bench_checkpoint.py

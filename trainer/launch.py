@@ -77,6 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--attempt", type=int, default=None)
     a("--entrypoint", default=None, help="the user's code: train.py | pkg.module | pkg.module:function")
     a("--workdir", default=None, help="run the user's code in this directory")
+    a("--fork-ranks", action=argparse.BooleanOptionalAction, default=None,
+      help="fork each rank from a warm fork server that imported what ranks import: in-job restarts ~1.4 s "
+           "faster, steady steps slower on CPU-bound hosts (default: UNBROKEN_FORK_RANKS=1, else off)")
     a("--node-agent", action="store_true",
       help="relay the node's ranks' reports through one node agent (trainer/agent.py)")
     a("--failure-policy", default="", help="the job's failure-policy rules (JSON, trainer/policy.py): a failure "
@@ -467,7 +470,7 @@ def main(argv: list[str] | None = None) -> int:
     if ns.in_job:
         hooks.install(nvrx_compat.launcher_agent_class())
         run_launcher = None
-        if os.environ.get("UNBROKEN_FORK_RANKS", "1") != "0":
+        if ns.fork_ranks if ns.fork_ranks is not None else os.environ.get("UNBROKEN_FORK_RANKS", "0") == "1":
             from trainer import preload
             from trainer.shim import entry
 

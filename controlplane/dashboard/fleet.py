@@ -26,7 +26,6 @@ from datetime import datetime
 from django.conf import settings
 from django.core.paginator import Paginator
 from django.db.models import Case, Count, F, Min, Q, Value, When
-from django.db.models.functions import Mod
 
 from controlplane.dashboard.charts import BASE_LAYOUT, fmt_s
 from controlplane.dashboard.timeline import Span
@@ -40,6 +39,7 @@ from trainer.wire import Phase
 
 MAX_RANK_LANES = 64  # past this many ranks, the timeline groups by node and health becomes a heatmap
 MAX_HEAT_ROWS = 250  # heatmap rows (nodes binned together past this)
+MAX_HEAT_COLS = 64  # heatmap columns (local ranks binned together past this: a node of very many ranks)
 WORST_SHOWN = 20
 RANKS_PER_PAGE = 25
 MAX_UNHEALTHY = 2000  # lost or stalled ranks drawn on the timeline (the heatmap counts them all)
@@ -178,9 +178,12 @@ def heatmap(job: Job, now: datetime) -> dict:
     ppn, nodes = per_node(job), num_nodes(job)
     per_row = max(1, math.ceil(nodes / MAX_HEAT_ROWS))
     rows = math.ceil(nodes / per_row)
+    per_col = max(1, math.ceil(ppn / MAX_HEAT_COLS))
+    cols = math.ceil(ppn / per_col)
     cells = (
         Rank.objects.filter(job=job)
-        .annotate(hr=F("rank") / (ppn * per_row), lr=Mod("rank", ppn))
+        # Integer arithmetic on both databases (SQLite's MOD returns a float: its quotient would not group).
+        .annotate(hr=F("rank") / (ppn * per_row), lr=(F("rank") - F("rank") / ppn * ppn) / per_col)
         .values("hr", "lr")
         .annotate(oldest=Epoch(Min("last_heartbeat_at")), n=Count("id"),
                   never=Count("id", filter=Q(last_heartbeat_at__isnull=True)),
@@ -189,8 +192,8 @@ def heatmap(job: Job, now: datetime) -> dict:
         .order_by()
         .values_list("hr", "lr", "oldest", "n", "never", "lost", "stalled", "slow")
     )
-    z: list[list[float | None]] = [[None] * ppn for _ in range(rows)]
-    text = [["no rank has reported"] * ppn for _ in range(rows)]
+    z: list[list[float | None]] = [[None] * cols for _ in range(rows)]
+    text = [["no rank has reported"] * cols for _ in range(rows)]
     counts = {"ranks": 0, "lost": 0, "stalled": 0, "never": 0, "stragglers": 0}
     t = now.timestamp()
     for hr, lr, oldest, n, never, lost, stalled, slow in cells:
@@ -200,7 +203,7 @@ def heatmap(job: Job, now: datetime) -> dict:
         counts["never"] += never
         counts["stragglers"] += slow
         i, j = int(hr), int(lr)
-        if not (0 <= i < rows and 0 <= j < ppn):
+        if not (0 <= i < rows and 0 <= j < cols):
             continue  # a rank beyond the job's world (reported, but not in the spec)
         age = max(0.0, t - oldest) if oldest is not None else None
         # A cell is as bad as its worst rank: a lost one shows its age (red); otherwise a rank that never
@@ -210,33 +213,37 @@ def heatmap(job: Job, now: datetime) -> dict:
         if lost or stalled or never or slow:
             words += "".join(f" · {k} {w}" for k, w in ((lost, "lost"), (stalled, "stalled"),
                                                         (never, "never beat"), (slow, "straggler")) if k)
-        text[i][j] = f"{words} ({n} rank{'s' if n != 1 else ''})"
+        where = "" if per_col == 1 else f"local ranks {j * per_col}–{min(ppn, (j + 1) * per_col) - 1}: "
+        text[i][j] = f"{where}{words} ({n} rank{'s' if n != 1 else ''})"
     labels = [_row_label(i, per_row, nodes) for i in range(rows)]
     step_s = Timeouts.of(job.spec).step_s
     fig = {
         "figure": {
             "data": [{
-                "type": "heatmap", "z": z, "customdata": text, "y": list(range(rows)), "x": list(range(ppn)),
+                "type": "heatmap", "z": z, "customdata": text, "y": list(range(rows)), "x": list(range(cols)),
                 "zmin": 0, "zmax": step_s, "zauto": False,
                 # ok → late (half-way to the deadline) → lost (the step timeout)
                 "colorscale": [[0, "#9ad0a6"], [0.5, "#edc948"], [1, "#c0392b"]],
                 "colorbar": {"title": {"text": "s since<br>heartbeat"}, "thickness": 12},
                 "xgap": 1, "ygap": 0 if rows > 60 else 1, "hoverongaps": False,
-                "text": [[labels[i]] * ppn for i in range(rows)],
-                "hovertemplate": "<b>%{text}</b>, local rank %{x}<br>%{customdata}<extra></extra>",
+                "text": [[labels[i]] * cols for i in range(rows)],
+                "hovertemplate": ("<b>%{text}</b>, local rank %{x}<br>%{customdata}<extra></extra>" if per_col == 1 else
+                                  "<b>%{text}</b><br>%{customdata}<extra></extra>"),
             }],
             "layout": {
                 **BASE_LAYOUT, "height": max(200, min(520, 40 + rows * 3)), "uirevision": "heat",
                 "plot_bgcolor": "#c9c9c9",  # gaps: no heartbeat yet
                 "margin": {"l": 90, "r": 10, "t": 10, "b": 40},
-                "xaxis": {"title": {"text": "local rank"}, "dtick": 1, "fixedrange": True},
+                "xaxis": {"title": {"text": "local rank" if per_col == 1 else f"local ranks ({per_col} per column)"},
+                          **({"dtick": 1} if cols <= 16 else {}), "fixedrange": True},
                 "yaxis": {"autorange": "reversed", "tickvals": _ticks(rows),
                           "ticktext": [labels[i] for i in _ticks(rows)], "tickfont": {"size": 10}},
             },
         }
     }
     counts["ok"] = counts["ranks"] - counts["lost"] - counts["stalled"] - counts["never"] - counts["stragglers"]
-    return {"chart": fig, "rows": rows, "cols": ppn, "nodes_per_row": per_row, "counts": counts,
+    return {"chart": fig, "rows": rows, "cols": cols, "ppn": ppn, "ranks_per_col": per_col, "nodes_per_row": per_row,
+            "counts": counts,
             "flush_s": settings.HEARTBEAT_FLUSH_INTERVAL_S, "step_s": step_s}
 
 

@@ -152,6 +152,10 @@ class JobSpec:
     # One node agent per node (trainer/agent.py) relays the node's ranks' reports as one request per
     # interval; the ranks post directly when it is away. Unset in the API's spec: on past one node.
     node_agent: bool = False
+    # Fork each rank from a warm fork server (trainer/preload.py): an in-job restart's new ranks skip
+    # ~1.4 s of imports, but measured here forked ranks' steps run 4-10 % slower than fresh processes'
+    # (README, "Benchmarks"): worth it only where in-job restarts come every few minutes.
+    fork_ranks: bool = False
     drills: tuple[Drill, ...] = ()
     # Rules from a fault (class, exit code, signal, pod reason) to an action; none: each layer's default.
     # See trainer/policy.py and the README, "Failure policies".

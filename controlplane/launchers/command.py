@@ -82,6 +82,7 @@ def launch_args(spec: JobSpec, *, node_rank: int | str, rdzv_endpoint: str, run_
         "--in-job" if spec.in_job else "--no-in-job",
         *(["--max-no-progress-restarts", str(n)] if (n := spec.max_no_progress_restarts) else []),
         *(["--node-agent"] if spec.node_agent else []),
+        *(["--fork-ranks"] if spec.fork_ranks and spec.in_job else []),
         *(["--failure-policy", json.dumps([r.to_dict() for r in spec.failure_policy], separators=(",", ":"))]
           if spec.failure_policy else []),
         "--run-dir", run_dir,

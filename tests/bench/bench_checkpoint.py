@@ -76,12 +76,14 @@ def worker(run_dir: str, repeats: int, window: int) -> None:
         train_step()
     ck.wait()
 
-    sync_block = []
+    sync_block, sync_cpu, sync_idle = [], [], []
     for _ in range(repeats):
         dist.barrier()
-        t = time.perf_counter()
+        idle0, c, t = _idle_s(), time.process_time(), time.perf_counter()
         ck.save(state, step, mode=CheckpointMode.SYNC)
         sync_block.append(time.perf_counter() - t)
+        sync_cpu.append(time.process_time() - c)  # every thread of this rank (DCP's writers included)
+        sync_idle.append((_idle_s() - idle0) / sync_block[-1])  # idle cores of the machine meanwhile
         train_step()
 
     # Pairs: a window with no save, then a window with one async save, alternating.
@@ -120,6 +122,12 @@ def worker(run_dir: str, repeats: int, window: int) -> None:
         print(f"{window} steps, no save      {[round(x, 2) for x in plain]}", flush=True)
         print(f"{window} steps, 1 async save {[round(x, 2) for x in with_save]}", flush=True)
         print(f"sync block s      {spread(sync_block)}", flush=True)
+        # What async can hide is the save's waiting, not its CPU: with no idle core, the CPU a save
+        # needs comes out of the steps whatever thread, process or priority runs it.
+        print(f"sync save CPU s   {spread(sync_cpu)}  (rank 0, all its threads; CPU/wall "
+              f"{statistics.median(sync_cpu) / statistics.median(sync_block):.2f})", flush=True)
+        print(f"idle cores        {spread(sync_idle, 2)}  (machine-wide, during the sync saves; "
+              f"{os.cpu_count()} cores)", flush=True)
         print(f"async block s     {spread(async_block)}", flush=True)
         print(f"efficiency        {spread(ratios)}", flush=True)
         print(f"async total s     {spread(deltas)}  (window with save - window without)", flush=True)
@@ -134,6 +142,16 @@ def worker(run_dir: str, repeats: int, window: int) -> None:
               f"async_total_s={total:.4f} sync_total_s={s:.4f}", flush=True)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _idle_s() -> float:
+    """Seconds the machine's cores have been idle (all cores summed), from /proc/stat; 0 elsewhere."""
+    try:
+        with open("/proc/stat", encoding="ascii") as f:
+            fields = f.readline().split()
+        return (int(fields[4]) + int(fields[5])) / os.sysconf("SC_CLK_TCK")  # idle + iowait
+    except (OSError, ValueError, IndexError):
+        return 0.0
 
 
 def main() -> int:

@@ -39,6 +39,8 @@ SOFT = 3.0
 BASE = ["--ckpt-interval", "5", "--soft-timeout", str(SOFT), "--hard-timeout", "8"]
 
 
+LAUNCH_ENV: dict[str, str] = {}  # --fork-ranks adds UNBROKEN_FORK_RANKS=1
+
 # Fault steps as offsets from the last save (the default spec saves every 20 steps).
 OFFSETS = (1, 3, 6, 9, 12, 15, 17, 19)
 
@@ -70,7 +72,7 @@ def run_default(fault: str, offsets: tuple[int, ...], *, interval: int = 20
     try:
         run_dir = Path(tempfile.mkdtemp(prefix=f"bench-default-{fault}-"))
         run = launch(run_dir, trainer_flags=flags, report_url=recv.url, max_restarts=len(offsets) + 1,
-                     timeout_s=600, report_interval=1.0)
+                     timeout_s=600, report_interval=1.0, env=LAUNCH_ENV)
         (run_dir / "launch.log").write_text(run.log)
         time.sleep(0.5)
         if run.rc != 0:
@@ -118,7 +120,8 @@ def run_drills(fault: str, n: int, *, in_process: bool = True) -> list[float]:
     recv = Receiver().start()
     try:
         run_dir = Path(tempfile.mkdtemp(prefix=f"bench-{fault}-"))
-        run = launch(run_dir, trainer_flags=flags, report_url=recv.url, max_restarts=n + 1, timeout_s=600)
+        run = launch(run_dir, trainer_flags=flags, report_url=recv.url, max_restarts=n + 1, timeout_s=600,
+                     env=LAUNCH_ENV)
         (run_dir / "launch.log").write_text(run.log)  # kept for post-mortems of slow recoveries
         time.sleep(0.5)
         if run.rc != 0:
@@ -207,7 +210,13 @@ def fixed_offsets(n: int) -> str:
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--n", type=int, default=5, help="drills per fault in the fixed-offset comparison")
-    n = p.parse_args().n
+    p.add_argument("--fork-ranks", action="store_true",
+                   help="the spec's fork_ranks: ranks forked from a warm fork server (default: fresh processes)")
+    a = p.parse_args()
+    n = a.n
+    if a.fork_ranks:
+        LAUNCH_ENV["UNBROKEN_FORK_RANKS"] = "1"
+    print(f"ranks: {'forked from a warm fork server' if a.fork_ranks else 'fresh processes'}", flush=True)
     print("default job spec, faults at offsets", OFFSETS, "after a save (every 20 steps)", flush=True)
     in_process: list[float] = []
     sources: list[str] = []

@@ -82,7 +82,7 @@ def test_ranks_forked_from_the_server_start_with_the_modules_imported_and_run_th
     run_dir = tmp_path / "run"
     r = launch(run_dir, trainer_flags=["--no-in-process", "--steps", "10"], entrypoint=str(work / "probe.py"),
                user_args=["torch._dynamo", "torch.distributed.fsdp", "fractions", "mylib_not_yet"],
-               env={"UNBROKEN_RUN_DIR": str(run_dir)}, timeout_s=240)
+               env={"UNBROKEN_RUN_DIR": str(run_dir), "UNBROKEN_FORK_RANKS": "1"}, timeout_s=240)
     assert r.rc == 0, r.log[-3000:]
     for rank in (0, 1):
         probe = json.loads((run_dir / f"probe{rank}.json").read_text())

@@ -113,6 +113,19 @@ def test_it_draws_a_heatmap_of_heartbeat_age_by_node_and_local_rank():
     assert heat["counts"] == {"ranks": 4800, "lost": 1, "stalled": 0, "never": 1, "stragglers": 0, "ok": 4798}
 
 
+def test_a_node_of_very_many_ranks_bins_its_local_ranks_into_columns():
+    """One node of 1,000 ranks (a simulated fleet's shape): at most MAX_HEAT_COLS columns, not 1,000."""
+    now = timezone.now()
+    job = make_fleet_job(now, nodes=1, per_node=1000)
+    silence(job, [997], now, age_s=90.0)
+    heat = sections.ranks_part(job, now, {})["heat"]
+    trace = heat["chart"]["figure"]["data"][0]
+    assert (heat["rows"], heat["cols"], heat["ranks_per_col"]) == (1, 63, 16)  # 16 ranks a column
+    assert len(trace["z"][0]) == 63 and trace["z"][0][997 // 16] >= 89
+    assert trace["customdata"][0][62].startswith("local ranks 992–999: ") and "1 lost" in trace["customdata"][0][62]
+    assert heat["counts"]["ranks"] == 1000 and heat["counts"]["lost"] == 1
+
+
 def test_it_lists_silent_ranks_then_the_slowest_first():
     now = timezone.now()
     job = make_fleet_job(now, nodes=20)
