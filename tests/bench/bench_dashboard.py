@@ -578,6 +578,7 @@ def main() -> None:
     if args.fleet_only:
         from django.contrib.auth.models import User
 
+        User.objects.filter(username="bench").delete()  # a DATABASE_URL kept from an earlier run has it
         run_fleet(User.objects.create_user("bench", password="bench-password-123"), args)
         return
     t = time.perf_counter()
