@@ -78,8 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--entrypoint", default=None, help="the user's code: train.py | pkg.module | pkg.module:function")
     a("--workdir", default=None, help="run the user's code in this directory")
     a("--fork-ranks", action=argparse.BooleanOptionalAction, default=None,
-      help="fork each rank from a warm fork server that imported what ranks import: in-job restarts ~1.4 s "
-           "faster, steady steps slower on CPU-bound hosts (default: UNBROKEN_FORK_RANKS=1, else off)")
+      help="fork each rank from a warm fork server that imported what ranks import: in-job restarts ~2 s "
+           "faster, steady steps ~8 %% slower measured on a CPU host (default: UNBROKEN_FORK_RANKS=1, else off)")
     a("--node-agent", action="store_true",
       help="relay the node's ranks' reports through one node agent (trainer/agent.py)")
     a("--failure-policy", default="", help="the job's failure-policy rules (JSON, trainer/policy.py): a failure "

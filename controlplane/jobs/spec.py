@@ -153,8 +153,8 @@ class JobSpec:
     # interval; the ranks post directly when it is away. Unset in the API's spec: on past one node.
     node_agent: bool = False
     # Fork each rank from a warm fork server (trainer/preload.py): an in-job restart's new ranks skip
-    # ~1.4 s of imports, but measured here forked ranks' steps run 4-10 % slower than fresh processes'
-    # (README, "Benchmarks"): worth it only where in-job restarts come every few minutes.
+    # ~2 s of imports, but measured here forked ranks' steps ran ~8 % slower than fresh processes'
+    # (README, "Warm ranks"): worth it only where in-job restarts come every ~30 s.
     fork_ranks: bool = False
     drills: tuple[Drill, ...] = ()
     # Rules from a fault (class, exit code, signal, pod reason) to an action; none: each layer's default.
