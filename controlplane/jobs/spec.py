@@ -154,7 +154,7 @@ class JobSpec:
     node_agent: bool = False
     # Fork each rank from a warm fork server (trainer/preload.py): an in-job restart's new ranks skip
     # ~2 s of imports, but measured here forked ranks' steps ran ~8 % slower than fresh processes'
-    # (README, "Warm ranks"): worth it only where in-job restarts come every ~30 s.
+    # (README, "Warm ranks"): worth it only where in-job restarts come every ~25 s.
     fork_ranks: bool = False
     drills: tuple[Drill, ...] = ()
     # Rules from a fault (class, exit code, signal, pod reason) to an action; none: each layer's default.
