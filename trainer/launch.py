@@ -77,7 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--attempt", type=int, default=None)
     a("--entrypoint", default=None, help="the user's code: train.py | pkg.module | pkg.module:function")
     a("--workdir", default=None, help="run the user's code in this directory")
-    a("--fork-ranks", action=argparse.BooleanOptionalAction, default=None,
+    a("--fork-ranks", action=argparse.BooleanOptionalAction,
+      default=os.environ.get("UNBROKEN_FORK_RANKS", "0") == "1",
       help="fork each rank from a warm fork server that imported what ranks import: in-job restarts ~2 s "
            "faster, steady steps ~8 %% slower measured on a CPU host (default: UNBROKEN_FORK_RANKS=1, else off)")
     a("--node-agent", action="store_true",
@@ -470,7 +471,7 @@ def main(argv: list[str] | None = None) -> int:
     if ns.in_job:
         hooks.install(nvrx_compat.launcher_agent_class())
         run_launcher = None
-        if ns.fork_ranks if ns.fork_ranks is not None else os.environ.get("UNBROKEN_FORK_RANKS", "0") == "1":
+        if ns.fork_ranks:
             from trainer import preload
             from trainer.shim import entry
 

@@ -152,7 +152,7 @@ class HttpReporter:
                                     at=time.time() if at is None else at,
                                     rank=self.rank if rank is _UNSET else rank, data=_jsonable(data or {}))))
         if kind == EventKind.COMMAND_ACK:  # the operator is waiting on it: sent now, not at the next interval
-            self._wake.set()
+            self.flush()
 
     def flush(self) -> None:
         self._wake.set()

@@ -61,6 +61,34 @@ def test_the_node_local_copy_is_asked_for_only_for_async_checkpoints_and_can_be_
     assert not asked(JobSpec(local_checkpoint_copy=False))
 
 
+def _argv(spec: JobSpec) -> list[str]:
+    return launch_args(spec, node_rank=0, rdzv_endpoint="h:1", run_dir="/r", job_id=7, attempt=0,
+                       report_url="http://cp")
+
+
+def test_a_job_of_several_nodes_runs_a_node_agent_unless_told_not_to():
+    assert k8s_spec(nodes=4).node_agent is True
+    assert "--node-agent" in _argv(k8s_spec(nodes=4))
+    assert "--node-agent" not in _argv(k8s_spec(nodes=4, node_agent=False))
+
+
+def test_a_one_node_job_posts_directly_unless_asked():
+    assert "--node-agent" not in _argv(JobSpec.from_dict({}))
+    assert "--node-agent" not in _argv(k8s_spec(nodes=1))
+    assert "--node-agent" in _argv(JobSpec.from_dict({"node_agent": True}))
+
+
+def test_a_stored_spec_keeps_the_node_agent_choice_it_was_launched_with():
+    stored = k8s_spec(nodes=2, node_agent=False).to_dict()
+    assert JobSpec.from_dict(stored).node_agent is False
+
+
+def test_ranks_are_fresh_processes_unless_the_spec_asks_for_warm_ones():
+    assert "--fork-ranks" not in _argv(JobSpec.from_dict({}))
+    assert "--fork-ranks" in _argv(JobSpec.from_dict({"fork_ranks": True}))
+    assert "--fork-ranks" not in _argv(JobSpec.from_dict({"fork_ranks": True, "in_job": False}))  # torchrun then
+
+
 @pytest.mark.parametrize("version,no_progress,expected", [
     ("", 2, []),  # not declared: not checked
     ("0.4.1", 0, []),
