@@ -81,6 +81,11 @@ def build_parser() -> argparse.ArgumentParser:
       default=os.environ.get("UNBROKEN_FORK_RANKS", "0") == "1",
       help="fork each rank from a warm fork server that imported what ranks import: in-job restarts ~2 s "
            "faster, steady steps ~8 %% slower measured on a CPU host (default: UNBROKEN_FORK_RANKS=1, else off)")
+    a("--standby-ranks", action=argparse.BooleanOptionalAction,
+      default=os.environ.get("UNBROKEN_STANDBY_RANKS", "1") != "0",
+      help="keep one started, imported standby process per local rank (trainer/standby.py) for in-job "
+           "restarts' new ranks: ~2 s faster restarts on a CPU host, at the memory of one idle Python + torch "
+           "process per rank (default on; UNBROKEN_STANDBY_RANKS=0 turns it off)")
     a("--node-agent", action="store_true",
       help="relay the node's ranks' reports through one node agent (trainer/agent.py)")
     a("--failure-policy", default="", help="the job's failure-policy rules (JSON, trainer/policy.py): a failure "
@@ -147,8 +152,14 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str], TrainConfig]:
 
 
 def rank_program(ns: argparse.Namespace, trainer_args: list[str]) -> list[str]:
-    """What each rank runs: the entrypoint under ``trainer.shim``."""
-    return ["-m", "trainer.shim", *trainer_args, "--", ns.entrypoint, *ns.user_args]
+    """What each rank runs: the entrypoint under ``trainer.shim``, in a standby process where the node
+    keeps them (``trainer.standby``'s client hands the rank to one)."""
+    program = "trainer.standby" if uses_standby(ns) else "trainer.shim"
+    return ["-m", program, *trainer_args, "--", ns.entrypoint, *ns.user_args]
+
+
+def uses_standby(ns: argparse.Namespace) -> bool:
+    return bool(ns.in_job and ns.standby_ranks and not ns.fork_ranks)
 
 
 def check_entrypoint(entrypoint: str) -> str:
@@ -468,6 +479,7 @@ def main(argv: list[str] | None = None) -> int:
         if agent is not None:
             agent.stop()
         return EXIT_CANNOT_START
+    pool = None
     if ns.in_job:
         hooks.install(nvrx_compat.launcher_agent_class())
         run_launcher = None
@@ -479,7 +491,16 @@ def main(argv: list[str] | None = None) -> int:
             # in-job restart start without FSDP2's, DCP's or the script's packages' import time.
             os.environ[preload.ENV] = ",".join(preload.modules_for(ns.entrypoint, os.getcwd()))
             run_launcher = nvrx_compat.launcher_main_forked(entry, preload=[entry.__module__, preload.__name__])
+        elif uses_standby(ns):
+            from trainer import preload
+            from trainer.standby import ENV_SOCKET, StandbyPool
+
+            os.environ[preload.ENV] = ",".join(preload.modules_for(ns.entrypoint, os.getcwd()))
+            pool = StandbyPool(ns.nproc_per_node).start()
+            os.environ[ENV_SOCKET] = pool.address
         name = f"ft_launcher (nvidia-resiliency-ext {nvrx_compat.version_str()})"
+        if pool is not None:
+            name += f", {ns.nproc_per_node} standby ranks"
         if run_launcher is None:
             run_launcher = nvrx_compat.launcher_main()
         else:
@@ -515,6 +536,8 @@ def main(argv: list[str] | None = None) -> int:
             rc = EXIT_CANNOT_START
         elif hooks.policy is not None:  # ft_launcher may return normally after the group it gave up on
             rc = EXIT_POLICY_STOP if hooks.policy.action != Action.RESTART_JOB else (rc or 1)
+        if pool is not None:
+            pool.stop()
         sweep_children(spare=agent.pid if agent is not None else None)
         if cfg.local_ckpt_dir:  # the node-local copies serve this attempt's in-job restarts only
             shutil.rmtree(cfg.local_ckpt_dir, ignore_errors=True)

@@ -211,12 +211,18 @@ def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--n", type=int, default=5, help="drills per fault in the fixed-offset comparison")
     p.add_argument("--fork-ranks", action="store_true",
-                   help="the spec's fork_ranks: ranks forked from a warm fork server (default: fresh processes)")
+                   help="the spec's fork_ranks: ranks forked from a warm fork server (default: standby ranks)")
+    p.add_argument("--no-standby-ranks", action="store_true",
+                   help="UNBROKEN_STANDBY_RANKS=0: every rank a fresh process (default: standby ranks)")
     a = p.parse_args()
     n = a.n
     if a.fork_ranks:
         LAUNCH_ENV["UNBROKEN_FORK_RANKS"] = "1"
-    print(f"ranks: {'forked from a warm fork server' if a.fork_ranks else 'fresh processes'}", flush=True)
+    if a.no_standby_ranks:
+        LAUNCH_ENV["UNBROKEN_STANDBY_RANKS"] = "0"
+    kind = ("forked from a warm fork server" if a.fork_ranks else "fresh processes" if a.no_standby_ranks
+            else "standby processes (trainer/standby.py, the default)")
+    print(f"ranks: {kind}", flush=True)
     print("default job spec, faults at offsets", OFFSETS, "after a save (every 20 steps)", flush=True)
     in_process: list[float] = []
     sources: list[str] = []

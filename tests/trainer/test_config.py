@@ -86,11 +86,15 @@ def test_it_builds_ft_launcher_flags_from_trainer_timeouts():
                           "--run-dir", "/tmp/x", "--job-id", "9", "--",
                           "--step-timeout", "20", "--ckpt-timeout", "50"])
     args = launcher_args(ns, c, targs)
-    assert "--max-restarts=4" in args and "-m" in args and args[args.index("-m") + 1] == "trainer.shim"
+    assert "--max-restarts=4" in args and "-m" in args and args[args.index("-m") + 1] == "trainer.standby"
     assert "--ft-rank-heartbeat-timeout=20.0" in args
     assert "--ft-enable-nic-monitor=false" in args
     ns, targs, c = parse(["--no-in-job", "--run-dir", "/tmp/x"])
-    assert "--max-restarts=0" in launcher_args(ns, c, targs)
+    args = launcher_args(ns, c, targs)
+    assert "--max-restarts=0" in args and args[args.index("-m") + 1] == "trainer.shim"  # no restarts: no standbys
+    for off in (["--no-standby-ranks"], ["--fork-ranks"]):
+        ns, targs, c = parse(["--run-dir", "/tmp/x", *off])
+        assert launcher_args(ns, c, targs)[launcher_args(ns, c, targs).index("-m") + 1] == "trainer.shim"
 
 
 def test_it_refuses_what_the_installed_nvrx_cannot_run(monkeypatch):

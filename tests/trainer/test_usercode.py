@@ -48,7 +48,7 @@ def test_it_passes_the_users_code_and_arguments_to_every_rank():
                             "--no-in-process", "--", "--steps", "10", "--", "x"])
     args = launcher_args(ns, cfg, targs)
     i = args.index("-m")
-    assert args[i:] == ["-m", "trainer.shim", "--no-in-process", "--run-dir", "/tmp/x", "--", "train.py",
+    assert args[i:] == ["-m", "trainer.standby", "--no-in-process", "--run-dir", "/tmp/x", "--", "train.py",
                         "--steps", "10", "--", "x"]
     with pytest.raises(ValueError, match="no such directory"):
         parse(["--run-dir", "/tmp/x", "--entrypoint", "t.py", "--workdir", "/nonexistent", "--", "--no-in-process"])
