@@ -496,7 +496,7 @@ def main(argv: list[str] | None = None) -> int:
             from trainer.standby import ENV_SOCKET, StandbyPool
 
             os.environ[preload.ENV] = ",".join(preload.modules_for(ns.entrypoint, os.getcwd()))
-            pool = StandbyPool(ns.nproc_per_node).start()
+            pool = StandbyPool(ns.nproc_per_node, skip_first=ns.nproc_per_node).start()
             os.environ[ENV_SOCKET] = pool.address
         name = f"ft_launcher (nvidia-resiliency-ext {nvrx_compat.version_str()})"
         if pool is not None:

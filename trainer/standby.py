@@ -19,6 +19,8 @@ and standard streams to the pool; the pool gives them to a standby, which become
   the pool sees the worker's socket close and kills the rank;
 - the rank reports its own pid where NVRx's rank monitor needs one (it signals the rank itself).
 
+The job's first ranks start in their own processes while the first standbys import beside them (at the
+normal priority: done before training starts, so a clean run never shares its steps with an import).
 Each standby taken is replaced by a new one ``REFILL_DELAY_S`` later, after the restarted ranks' own start
 (process group, checkpoint load), so its imports do not compete with the recovery. Where the node allows
 a process to lower its nice value again (CAP_SYS_NICE or RLIMIT_NICE, as for root on a host), a standby
@@ -75,8 +77,12 @@ def _recv(sock: socket.socket, maxfds: int = 0) -> tuple[Any, list[int]]:
 class StandbyPool:
     """``size`` standby ranks kept ready on this node, handed to workers that ask on ``address``."""
 
-    def __init__(self, size: int, *, cwd: str | None = None) -> None:
+    def __init__(self, size: int, *, cwd: str | None = None, skip_first: int = 0) -> None:
         self.size = size
+        # The job's first ``skip_first`` workers (its first ranks) start in their own processes while the
+        # pool's first standbys import beside them at the normal priority: all imports are done before
+        # training starts, and a clean run never has a standby importing during its steps.
+        self._skip = skip_first
         self.cwd = cwd or os.getcwd()
         # A Linux abstract socket (no file to clean up), named without its leading NUL (it goes in the env).
         self.address = f"unbroken-standby-{os.getpid()}-{os.urandom(4).hex()}"
@@ -90,16 +96,16 @@ class StandbyPool:
         self._server.bind("\0" + self.address)
         self._server.listen(64)
         for _ in range(self.size):
-            self._spawn()
+            self._spawn(nice=0 if self._skip else STANDBY_NICE)
         threading.Thread(target=self._accept, name="standby-pool", daemon=True).start()
         return self
 
-    def _spawn(self) -> None:
+    def _spawn(self, nice: int = 19) -> None:  # STANDBY_NICE
         if self._stopped:
             return
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
-            proc = subprocess.Popen([sys.executable, "-m", "trainer.standby", "--serve", str(child.fileno())],
+            proc = subprocess.Popen([sys.executable, "-m", "trainer.standby", "--serve", str(child.fileno()), str(nice)],
                                     pass_fds=(child.fileno(),), cwd=self.cwd, stdin=subprocess.DEVNULL,
                                     start_new_session=True)
         except OSError as e:
@@ -151,6 +157,11 @@ class StandbyPool:
         try:
             request, fds = _recv(conn, maxfds=3)
             if request is None:
+                return
+            with self._lock:
+                first, self._skip = self._skip > 0, max(0, self._skip - 1)
+            if first:
+                _send(conn, {"pid": None})  # one of the job's first ranks: it starts itself
                 return
             got = self._take()
             if got is None:
@@ -253,14 +264,14 @@ def can_renice() -> bool:
         return False
 
 
-def serve(fd: int) -> int:
-    """A standby: import what ranks import (at nice 19 where it can come back), wait for a worker's rank,
+def serve(fd: int, nice: int = STANDBY_NICE) -> int:
+    """A standby: import what ranks import (at ``nice`` where it can come back), wait for a worker's rank,
     become it."""
     ctrl = socket.socket(fileno=fd)
     niced = False
-    if can_renice():
+    if nice and can_renice():
         try:
-            os.setpriority(os.PRIO_PROCESS, 0, STANDBY_NICE)
+            os.setpriority(os.PRIO_PROCESS, 0, nice)
             niced = True
         except OSError:
             pass
@@ -343,5 +354,5 @@ def client(argv: list[str]) -> int:
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--serve"]:
-        sys.exit(serve(int(sys.argv[2])))
+        sys.exit(serve(int(sys.argv[2]), int(sys.argv[3]) if len(sys.argv) > 3 else STANDBY_NICE))
     sys.exit(client(sys.argv[1:]))

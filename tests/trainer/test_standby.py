@@ -146,3 +146,21 @@ def test_without_a_pool_the_worker_runs_the_rank_itself(tmp_path):
     p = worker(tmp_path, stopped, "exit")
     p.communicate(timeout=120)
     assert p.returncode == 3 and rank_pid(tmp_path) == p.pid
+
+
+def test_the_jobs_first_ranks_start_themselves_while_the_standbys_import(tmp_path):
+    first = StandbyPool(1, cwd=str(ROOT), skip_first=1).start()
+    try:
+        p = worker(tmp_path, first, "exit")
+        p.communicate(timeout=120)
+        assert p.returncode == 3 and rank_pid(tmp_path) == p.pid  # the first rank: its own process
+        assert first.taken == 0
+        assert wait_ready(first, 1)
+        standby = first._idle[0].proc.pid
+        assert int(Path(f"/proc/{standby}/stat").read_text().rsplit(")", 1)[1].split()[16]) == 0  # normal priority
+        (tmp_path / "out.pid").unlink()
+        p = worker(tmp_path, first, "exit")
+        p.communicate(timeout=120)
+        assert p.returncode == 3 and rank_pid(tmp_path) == standby  # a restart's rank: the standby
+    finally:
+        first.stop()
