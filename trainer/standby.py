@@ -47,6 +47,7 @@ from typing import Any
 
 ENV_SOCKET = "UNBROKEN_STANDBY_SOCKET"
 MAX_MSG = 1 << 20  # argv + environment of one rank
+STANDBY_NICE = 19  # a refill's imports: idle CPU first (where the node lets it come back to 0)
 REFILL_DELAY_S = 3.0  # after a standby is taken: past the new ranks' start (~0.5 s here)
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
 
@@ -100,7 +101,7 @@ class StandbyPool:
         threading.Thread(target=self._accept, name="standby-pool", daemon=True).start()
         return self
 
-    def _spawn(self, nice: int = 19) -> None:  # STANDBY_NICE
+    def _spawn(self, nice: int = STANDBY_NICE) -> None:
         if self._stopped:
             return
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -245,7 +246,6 @@ class _Standby:
 # ---------------------------------------------------------------- a standby process
 
 
-STANDBY_NICE = 19
 CAP_SYS_NICE = 23
 
 
