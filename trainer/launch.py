@@ -483,19 +483,19 @@ def main(argv: list[str] | None = None) -> int:
     if ns.in_job:
         hooks.install(nvrx_compat.launcher_agent_class())
         run_launcher = None
-        if ns.fork_ranks:
+        if ns.fork_ranks or uses_standby(ns):
             from trainer import preload
+
+            # The fork server or the standbys import what every rank imports anyway (trainer.preload): new
+            # ranks of an in-job restart start without FSDP2's, DCP's or the script's packages' import time.
+            os.environ[preload.ENV] = ",".join(preload.modules_for(ns.entrypoint, os.getcwd()))
+        if ns.fork_ranks:
             from trainer.shim import entry
 
-            # The fork server imports what every rank imports anyway (trainer.preload): new ranks of an
-            # in-job restart start without FSDP2's, DCP's or the script's packages' import time.
-            os.environ[preload.ENV] = ",".join(preload.modules_for(ns.entrypoint, os.getcwd()))
             run_launcher = nvrx_compat.launcher_main_forked(entry, preload=[entry.__module__, preload.__name__])
         elif uses_standby(ns):
-            from trainer import preload
             from trainer.standby import ENV_SOCKET, StandbyPool
 
-            os.environ[preload.ENV] = ",".join(preload.modules_for(ns.entrypoint, os.getcwd()))
             pool = StandbyPool(ns.nproc_per_node, skip_first=ns.nproc_per_node).start()
             os.environ[ENV_SOCKET] = pool.address
         name = f"ft_launcher (nvidia-resiliency-ext {nvrx_compat.version_str()})"

@@ -26,9 +26,10 @@ Each standby taken is replaced by a new one ``REFILL_DELAY_S`` later, after the 
 a process to lower its nice value again (CAP_SYS_NICE or RLIMIT_NICE, as for root on a host), a standby
 imports at nice 19 (idle CPU first: the running steps barely notice it) and returns to nice 0 when it
 becomes a rank; elsewhere it imports at the normal priority and costs the running steps the CPU a fresh
-rank's start would have cost (about 1.5 s of one core per rank here). When no standby is left (two restarts in a row faster than a refill) or the pool is gone, the client runs the
-rank in its own process (exec of ``trainer.shim``): slower, never wrong. ``UNBROKEN_STANDBY_RANKS=0``
-or ``--no-standby-ranks`` turns the pool off.
+rank's start would have cost (about 1.5 s of one core per rank here). When no standby is left (two
+restarts in a row faster than a refill) or the pool is gone, the client runs the rank in its own process
+(exec of ``trainer.shim``): slower, never wrong. ``UNBROKEN_STANDBY_RANKS=0`` or ``--no-standby-ranks``
+turns the pool off.
 
 This module's top level imports the standard library only (the client must start fast).
 """
@@ -299,10 +300,8 @@ def serve(fd: int, nice: int = STANDBY_NICE) -> int:
     os.environ.clear()
     os.environ.update(request["env"])
     sys.argv = ["trainer.shim", *request["argv"]]
-    rc = trainer.shim.main(request["argv"])
-    sys.stdout.flush()
-    sys.stderr.flush()
-    return rc
+    trainer.shim.entry(*request["argv"])  # the rank, as the fork server runs one: exits with its status
+    return 0
 
 
 # ---------------------------------------------------------------- the worker (ft_launcher's process)
@@ -332,15 +331,10 @@ def client(argv: list[str]) -> int:
 
     for s in FORWARDED:
         signal.signal(s, forward)
-    while True:
-        try:
-            answer, _ = _recv(conn)
-            break
-        except InterruptedError:
-            continue
-        except OSError:
-            answer = None
-            break
+    try:
+        answer, _ = _recv(conn)  # a forwarded signal does not end the wait (PEP 475 retries it)
+    except OSError:
+        answer = None
     code = answer.get("exit") if answer else None
     if code is None:
         return 1  # the pool (the launcher) is gone

@@ -94,7 +94,8 @@ def test_it_builds_ft_launcher_flags_from_trainer_timeouts():
     assert "--max-restarts=0" in args and args[args.index("-m") + 1] == "trainer.shim"  # no restarts: no standbys
     for off in (["--no-standby-ranks"], ["--fork-ranks"]):
         ns, targs, c = parse(["--run-dir", "/tmp/x", *off])
-        assert launcher_args(ns, c, targs)[launcher_args(ns, c, targs).index("-m") + 1] == "trainer.shim"
+        args = launcher_args(ns, c, targs)
+        assert args[args.index("-m") + 1] == "trainer.shim"
 
 
 def test_it_refuses_what_the_installed_nvrx_cannot_run(monkeypatch):

@@ -75,6 +75,10 @@ def rank_pid(tmp_path: Path, timeout_s: float = 60) -> int:
     raise AssertionError("the rank never started")
 
 
+def nice_of(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[16])
+
+
 def gone(pid: int, timeout_s: float = 10) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -132,7 +136,7 @@ def test_the_pool_refills_what_was_taken(pool, tmp_path):
     assert wait_ready(pool, 2)
     if can_renice():  # waiting standbys imported at nice 19, off the running ranks' CPU
         for standby in pool._idle:
-            assert int(Path(f"/proc/{standby.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()[16]) == 19
+            assert nice_of(standby.proc.pid) == 19
 
 
 def test_without_a_pool_the_worker_runs_the_rank_itself(tmp_path):
@@ -157,7 +161,7 @@ def test_the_jobs_first_ranks_start_themselves_while_the_standbys_import(tmp_pat
         assert first.taken == 0
         assert wait_ready(first, 1)
         standby = first._idle[0].proc.pid
-        assert int(Path(f"/proc/{standby}/stat").read_text().rsplit(")", 1)[1].split()[16]) == 0  # normal priority
+        assert nice_of(standby) == 0  # normal priority
         (tmp_path / "out.pid").unlink()
         p = worker(tmp_path, first, "exit")
         p.communicate(timeout=120)
