@@ -258,6 +258,32 @@ def shutdown_gloo_sockets(keep_ports: tuple[int, ...]) -> int:
     return n
 
 
+def release_leaked_logging_locks() -> int:
+    """Release the logging locks this thread holds outside any logging call; returns how many.
+
+    NVRx interrupts the main thread with an asynchronous ``RankShouldRestart``. Landing as the thread
+    enters ``Handler.release()`` (the ``finally`` of ``Handler.handle``; a rank whose collective fails
+    because a peer aborted logs ``fn_ex`` just as its own monitor thread raises), it leaves the handler's
+    RLock held by the main thread: the main thread still logs (the lock is reentrant), and the next
+    restart's Abort, logging from the monitor thread, waits on it until the hard timeout kills the rank
+    (an in-process fault recovered ~11 s later by ft_launcher). Call it on the main thread, from a hook
+    no logging call is under (Finalize, Initialize): any lock held then is one such leak."""
+    handlers: dict[int, logging.Handler] = {}
+    for lg in [logging.getLogger(), *logging.Logger.manager.loggerDict.values()]:
+        for h in getattr(lg, "handlers", ()):  # a PlaceHolder has none
+            handlers[id(h)] = h
+    locks = [logging._lock, *(h.lock for h in handlers.values())]  # type: ignore[attr-defined]
+    n = 0
+    for lock in locks:
+        is_owned = getattr(lock, "_is_owned", None)  # an RLock (a plain Lock has no owner to check)
+        while is_owned is not None and is_owned():
+            lock.release()
+            n += 1
+    if n:
+        log.warning("released %d logging lock(s) an interrupted log call left held by this thread", n)
+    return n
+
+
 def _with_traceback(message: str, tb: str | None) -> str:
     return f"{message}\n\n{tb}"[:MAX_EVIDENCE_CHARS] if tb else message
 
@@ -314,28 +340,34 @@ def build_in_process_wrapper(session: Session) -> Any:
         def __call__(self, state: Any) -> Any:
             cycle = session.cycle(state.iteration + 1)
             session.mark(cycle, CycleMark.DETECTED)
-            # Evidence for a hang: where this rank's main thread is now (taken from this monitor thread;
-            # the job log keeps it, and the fault page shows the rank's lines around the fault).
+            # Evidence for a hang: where this rank's main thread is now (taken from this monitor thread
+            # before the abort moves it; the job log keeps it, and the fault page shows the rank's lines
+            # around the fault). Logged after the abort: nothing a log call waits on delays the restart.
             stack = main_thread_stack((session.cfg.token,))
-            if stack:
-                log.info("abort at step %s: %s", session.last_step, stack)
+            closed, failed = None, None
             try:
                 if gloo:
                     if dist.is_available() and dist.is_initialized():
-                        n = shutdown_gloo_sockets(keep_ports)
-                        log.info("abort: shut down %d gloo sockets", n)
+                        closed = shutdown_gloo_sockets(keep_ports)
                         dist.destroy_process_group()
                 else:
                     inprocess.abort.AbortTorchDistributed()(state)
-            except Exception:
-                log.exception("abort failed")
+            except Exception as e:
+                failed = e
             session.mark(cycle, CycleMark.ABORTED)
+            if stack:
+                log.info("abort at step %s: %s", session.last_step, stack)
+            if closed is not None:
+                log.info("abort: shut down %d gloo sockets", closed)
+            if failed is not None:
+                log.error("abort failed", exc_info=failed)
             return state
 
     class Finalize(inprocess.finalize.Finalize):
         """Main thread, after abort: settle the in-flight checkpoint, keep the local fault's facts."""
 
         def __call__(self, state: Any) -> Any:
+            release_leaked_logging_locks()
             exc = state.fn_exception
             if exc is not None and not _is_peer_error(exc):
                 session.record_fault(FaultClass.EXCEPTION, repr(exc),
@@ -354,6 +386,7 @@ def build_in_process_wrapper(session: Session) -> Any:
             session.iteration = state.iteration
             if state.iteration == 0:
                 return state
+            release_leaked_logging_locks()
             cycle = session.cycle(state.iteration)
             session.mark(cycle, CycleMark.RESTARTED)
             if state.rank != 0:

@@ -1,9 +1,13 @@
-"""The in-process layer's finalize never waits on a stuck checkpoint past its budget."""
+"""The in-process layer's finalize never waits on a stuck checkpoint past its budget; its hooks release
+the logging locks an asynchronous restart left held."""
 
+import ctypes
+import io
+import logging
 import threading
 import time
 
-from trainer.resilience import settle_checkpoint
+from trainer.resilience import release_leaked_logging_locks, settle_checkpoint
 
 
 class StuckSave:
@@ -75,3 +79,71 @@ def test_progress_pings_follow_the_loops_progress_and_stop_between_attempts():
         assert len(fresh.pings) == 1 and len(scope.pings) == hung
     finally:
         pacer.stop()
+
+
+class Interrupt(BaseException):
+    """What NVRx raises into the main thread (RankShouldRestart is a BaseException too)."""
+
+
+def _raise_in(thread: threading.Thread, exc: type[BaseException]) -> None:
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident), ctypes.py_object(exc))
+
+
+def _logs_within(logger: logging.Logger, timeout_s: float) -> bool:
+    t = threading.Thread(target=logger.info, args=("from another thread",), daemon=True)
+    t.start()
+    t.join(timeout_s)
+    return not t.is_alive()
+
+
+def test_an_asynchronous_restart_inside_a_log_call_leaks_its_lock_and_the_hook_releases_it():
+    """The race behind an in-process restart that hung until the hard timeout: the restart exception lands
+    as a log call releases its handler's lock; the lock stays with the interrupted thread, and the next
+    Abort (another thread) waits on it. The hooks release it on the interrupted thread."""
+    handler = logging.StreamHandler(io.StringIO())
+    logger = logging.getLogger("test-leak")
+    logger.addHandler(handler)
+    logger.propagate = False
+    logger.setLevel(logging.INFO)
+    seen: list[tuple[bool, int]] = []
+
+    def loop() -> None:
+        try:
+            while True:
+                logger.info("step %s", 1)
+        except Interrupt:
+            seen.append((handler.lock._is_owned(), release_leaked_logging_locks()))
+
+    try:
+        for _ in range(5000):
+            t = threading.Thread(target=loop)
+            t.start()
+            time.sleep(0.0005)
+            _raise_in(t, Interrupt)
+            t.join()
+            assert not handler.lock._is_owned()
+            if seen[-1][0]:
+                break
+        leaked = [released for owned, released in seen if owned]
+        assert leaked, f"no interrupted log call left its lock held in {len(seen)} tries"
+        assert leaked[0] >= 1
+        assert all(released == 0 for owned, released in seen if not owned)
+        assert _logs_within(logger, 2.0)  # the lock is free: another thread logs
+    finally:
+        logger.removeHandler(handler)
+
+
+def test_a_lock_left_held_blocks_other_threads_until_released():
+    handler = logging.StreamHandler(io.StringIO())
+    logger = logging.getLogger("test-held")
+    logger.addHandler(handler)
+    logger.propagate = False
+    try:
+        handler.acquire()  # as an interrupted release() leaves it
+        handler.acquire()
+        assert not _logs_within(logger, 0.3)
+        assert release_leaked_logging_locks() == 2
+        assert _logs_within(logger, 2.0)
+        assert release_leaked_logging_locks() == 0
+    finally:
+        logger.removeHandler(handler)
