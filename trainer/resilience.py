@@ -267,7 +267,8 @@ def release_leaked_logging_locks() -> int:
     RLock held by the main thread: the main thread still logs (the lock is reentrant), and the next
     restart's Abort, logging from the monitor thread, waits on it until the hard timeout kills the rank
     (an in-process fault recovered ~11 s later by ft_launcher). Call it on the main thread, from a hook
-    no logging call is under (Finalize, Initialize): any lock held then is one such leak."""
+    no logging call is under (Finalize: the first hook after the raise): any lock held then is one such
+    leak."""
     handlers: dict[int, logging.Handler] = {}
     for lg in [logging.getLogger(), *logging.Logger.manager.loggerDict.values()]:
         for h in getattr(lg, "handlers", ()):  # a PlaceHolder has none
@@ -386,7 +387,6 @@ def build_in_process_wrapper(session: Session) -> Any:
             session.iteration = state.iteration
             if state.iteration == 0:
                 return state
-            release_leaked_logging_locks()
             cycle = session.cycle(state.iteration)
             session.mark(cycle, CycleMark.RESTARTED)
             if state.rank != 0:

@@ -1,11 +1,13 @@
 """The in-process layer's finalize never waits on a stuck checkpoint past its budget; its hooks release
 the logging locks an asynchronous restart left held."""
 
+import contextlib
 import ctypes
 import io
 import logging
 import threading
 import time
+from typing import Iterator
 
 from trainer.resilience import release_leaked_logging_locks, settle_checkpoint
 
@@ -89,6 +91,19 @@ def _raise_in(thread: threading.Thread, exc: type[BaseException]) -> None:
     ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident), ctypes.py_object(exc))
 
 
+@contextlib.contextmanager
+def _own_logger(name: str) -> Iterator[tuple[logging.Logger, logging.Handler]]:
+    handler = logging.StreamHandler(io.StringIO())
+    logger = logging.getLogger(name)
+    logger.addHandler(handler)
+    logger.propagate = False
+    logger.setLevel(logging.INFO)
+    try:
+        yield logger, handler
+    finally:
+        logger.removeHandler(handler)
+
+
 def _logs_within(logger: logging.Logger, timeout_s: float) -> bool:
     t = threading.Thread(target=logger.info, args=("from another thread",), daemon=True)
     t.start()
@@ -100,21 +115,16 @@ def test_an_asynchronous_restart_inside_a_log_call_leaks_its_lock_and_the_hook_r
     """The race behind an in-process restart that hung until the hard timeout: the restart exception lands
     as a log call releases its handler's lock; the lock stays with the interrupted thread, and the next
     Abort (another thread) waits on it. The hooks release it on the interrupted thread."""
-    handler = logging.StreamHandler(io.StringIO())
-    logger = logging.getLogger("test-leak")
-    logger.addHandler(handler)
-    logger.propagate = False
-    logger.setLevel(logging.INFO)
     seen: list[tuple[bool, int]] = []
+    with _own_logger("test-leak") as (logger, handler):
 
-    def loop() -> None:
-        try:
-            while True:
-                logger.info("step %s", 1)
-        except Interrupt:
-            seen.append((handler.lock._is_owned(), release_leaked_logging_locks()))
+        def loop() -> None:
+            try:
+                while True:
+                    logger.info("step %s", 1)
+            except Interrupt:
+                seen.append((handler.lock._is_owned(), release_leaked_logging_locks()))
 
-    try:
         for _ in range(5000):
             t = threading.Thread(target=loop)
             t.start()
@@ -129,21 +139,13 @@ def test_an_asynchronous_restart_inside_a_log_call_leaks_its_lock_and_the_hook_r
         assert leaked[0] >= 1
         assert all(released == 0 for owned, released in seen if not owned)
         assert _logs_within(logger, 2.0)  # the lock is free: another thread logs
-    finally:
-        logger.removeHandler(handler)
 
 
 def test_a_lock_left_held_blocks_other_threads_until_released():
-    handler = logging.StreamHandler(io.StringIO())
-    logger = logging.getLogger("test-held")
-    logger.addHandler(handler)
-    logger.propagate = False
-    try:
+    with _own_logger("test-held") as (logger, handler):
         handler.acquire()  # as an interrupted release() leaves it
         handler.acquire()
         assert not _logs_within(logger, 0.3)
         assert release_leaked_logging_locks() == 2
         assert _logs_within(logger, 2.0)
         assert release_leaked_logging_locks() == 0
-    finally:
-        logger.removeHandler(handler)
