@@ -208,13 +208,14 @@ def show_step(s: dict) -> None:
         f"cores: " + " ".join(f"{k}={v:.2f}" for k, v in c.items()))
 
 
-def storm(fl: Fleet, job, *, nodes: int, args: argparse.Namespace) -> dict:
+def storm(fl: Fleet, cpu: Cpu, job, *, nodes: int, args: argparse.Namespace) -> dict:
     from controlplane.jobs.models import Event, RestartCycle
 
     expected = nodes * fleet.RANKS_PER_NODE * len(fleet.STORM_MARKS)
     before = Event.objects.filter(job=job, kind="cycle").count()
     t0 = time.time() + 0.5
     fl.start("run", active=nodes, t0=t0, duration_s=args.storm_timeout_s, posts="storm", until_drained=True)
+    c0 = cpu.mark()
     drained_at = None
     stored = before
     while time.time() < t0 + args.storm_timeout_s:
@@ -223,6 +224,7 @@ def storm(fl: Fleet, job, *, nodes: int, args: argparse.Namespace) -> dict:
         if stored - before >= expected:
             drained_at = time.time()
             break
+    c1 = cpu.mark()
     res = merge(fl.results())
     cycles = RestartCycle.objects.filter(job=job, key=fleet.STORM_CYCLE)
     c = cycles.first()
@@ -232,7 +234,7 @@ def storm(fl: Fleet, job, *, nodes: int, args: argparse.Namespace) -> dict:
             "drain_s": (drained_at - t0) if drained_at else float("nan"),
             "posted_s": res["last_post_at"] - t0, "requests": len(ok), "not_ok": len(res["requests"]) - len(ok),
             "p99_ms": pct([r[1] for r in ok], 0.99) * 1e3, "cycles": cycles.count(), "marks_set": marks_set,
-            "spool_left": res["pending"]}
+            "spool_left": res["pending"], "cpu": Cpu.since(c0, c1), "wall_s": c1["t"] - c0["t"]}
 
 
 def job_page(base: str, job_id: int, sessionid: str, *, requests: int, budget_s: float) -> tuple[float, int, int]:
@@ -320,7 +322,7 @@ def main() -> None:
     p.add_argument("--hold", type=float, default=0.95, help="share of the offered heartbeats that counts as held")
     p.add_argument("--shards", type=int, default=2, help="simulator processes")
     p.add_argument("--threads", type=int, default=32, help="sender threads per simulator process")
-    p.add_argument("--storm-timeout-s", type=float, default=120.0)
+    p.add_argument("--storm-timeout-s", type=float, default=300.0)
     p.add_argument("--tail-s", type=float, default=90.0, help="at most this long to send the storm's rest")
     p.add_argument("--page-requests", type=int, default=5)
     p.add_argument("--page-budget-s", type=float, default=60.0)
@@ -375,11 +377,19 @@ def main() -> None:
         delivery = commands(fl, base, job.pk, nodes=best["nodes"], args=args)
         log(f"commands at {best['ranks']} ranks beating: delivery s " + " ".join(f"{d:.2f}" for d in sorted(delivery)))
 
-        st = storm(fl, job, nodes=args.nodes, args=args)
+        st = storm(fl, cpu, job, nodes=args.nodes, args=args)
         log(f"storm: {st['marks']} cycle marks posted by {ranks} ranks (posting took {st['posted_s']:.1f} s), "
             f"{st['stored']} stored after {args.storm_timeout_s:.0f} s at most, drained in {st['drain_s']:.1f} s; "
             f"{st['requests']} agent requests (p99 {st['p99_ms']:.0f} ms, {st['not_ok']} not ok); restart cycles for "
             f"it: {st['cycles']} ({st['marks_set']} of 6 marks set); spool files left {st['spool_left']}")
+        sc = st["cpu"]
+        per_core = st["stored"] / st["wall_s"] / max(1e-9, sc["server"])
+        db_per_core = st["stored"] / st["wall_s"] / max(1e-9, sc["postgres"])
+        log("storm cost: cores busy on average while it drained: " + " ".join(f"{k}={v:.2f}" for k, v in sc.items())
+            + f"; {st['stored'] / st['wall_s']:.0f} marks stored/s = {per_core:.0f} marks/s per ingest server core, "
+            f"{db_per_core:.0f} per Postgres core; a {st['expected']}-mark storm drained in 10 s needs "
+            f"{math.ceil(st['expected'] / 10 / per_core)} ingest worker cores and "
+            f"{math.ceil(st['expected'] / 10 / db_per_core)} Postgres cores at that cost")
         t = time.time()
         tail = fl.run(active=args.nodes, t0=t, duration_s=args.tail_s, posts="none", until_drained=True)
         from controlplane.jobs.models import Event, Rank

@@ -63,6 +63,34 @@ def test_it_stays_recovering_while_a_later_cycle_is_open():
     assert Job.objects.get(pk=job.pk).status == "running"
 
 
+def test_a_job_wide_restart_folds_into_one_cycle_and_repeated_marks_cost_one_read():
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    job, _ = make_job(spec={"procs_per_node": 64})
+    t = time.time() - 60
+    marks = (("fault_at", 0.0), ("detected_at", 0.1), ("restarted_at", 1.0), ("first_step_at", 2.0))
+
+    def node(n, skew):  # one node's 8 ranks, each reporting the same restart a little apart
+        return [cycle_ev(f"n{n}-r{r}-{m}", "a0-ij1", m, t + dt + skew + r / 100, layer="in_job",
+                         **({"step": 7} if m == "fault_at" else {}))
+                for r in range(8) for m, dt in marks]
+
+    record(job, events=node(0, 0.5))
+    record(job, events=node(1, 0.7))  # later marks than the cycle's: nothing to write
+    with CaptureQueriesContext(connection) as q:
+        record(job, events=node(2, 0.9))
+    writes = [x["sql"] for x in q.captured_queries if x["sql"].lstrip().upper().startswith("UPDATE")]
+    assert writes == []
+    record(job, events=node(3, 0.0))  # an earlier node moves every mark back
+    c = RestartCycle.objects.get(job=job)
+    assert c.fault_at.timestamp() == pytest.approx(t) and c.first_step_at.timestamp() == pytest.approx(t + 2)
+    assert (c.layer, c.step_at_fault) == ("in_job", 7)
+    assert RestartCycle.objects.filter(job=job).count() == 1
+    assert Job.objects.get(pk=job.pk).status == "running"
+    assert job.events.filter(kind="cycle").count() == 4 * 8 * len(marks)
+
+
 def test_it_attaches_faults_to_their_cycle_once():
     job, _ = make_job()
     t = time.time() - 10
