@@ -9,11 +9,14 @@ is stored once. Upstream 429/5xx/unreachable: it keeps them and retries (after R
 for a merged batch: it sends that batch's parts one by one, so one rank's bad batch drops only itself.
 
 Commands, the trade-off: ranks get the cached command set at once instead of waiting for the upstream
-answer, so a rank's post never waits on the control plane, and a command reaches the rank within one
-agent interval plus one rank interval of reaching the control plane. Ranks dedupe commands by id.
-A rank's ``command_ack`` skips both waits on its way back: its reporter sends it at once and the agent
-sends a batch holding one upstream at once, so click to acknowledgement is at most one agent interval
-plus one rank interval (two heartbeat intervals) plus the requests' own time.
+answer, so a rank's post never waits on the control plane. Between its posts a rank's reporter also
+asks the agent for that set half-way through each interval (``GET .../commands``: loopback only, nothing
+spooled, nothing sent upstream), so a command reaches the rank within one agent interval plus half a
+rank interval of reaching the control plane. Ranks dedupe commands by id. A rank's ``command_ack`` skips
+both waits on its way back: its reporter sends it at once and the agent sends a batch holding one
+upstream at once, so click to acknowledgement is at most 1.5 heartbeat intervals plus the requests' own
+time (inside the two intervals promised, with room for a slow request). The cost: one loopback GET per
+rank per interval; the control plane sees no more requests.
 
 Never a new single point of failure: a rank whose post to the agent fails (refused, timed out) sends
 to the control plane directly (``HttpReporter``'s ``fallback_url``); ``trainer.launch`` restarts an agent
@@ -44,6 +47,7 @@ from trainer.wire import MAX_BODY_BYTES, MAX_EVENTS, MAX_HEARTBEATS, WIRE_VERSIO
 log = logging.getLogger(__name__)
 
 PATH = re.compile(r"^/api/v1/jobs/(\d{1,18})/ingest$")
+COMMANDS_PATH = re.compile(r"^/api/v1/jobs/(\d{1,18})/commands$")
 
 
 class NodeAgent:
@@ -92,6 +96,14 @@ class NodeAgent:
         return 200, {"accepted": {"heartbeats": len(batch.get("heartbeats", [])),
                                   "events": len(batch.get("events", [])), "duplicates": 0},
                      "commands": self.commands, "server_time": time.time(), "job_status": self.job_status}
+
+    def poll(self, job_id: str, auth: bytes) -> tuple[int, dict[str, Any]]:
+        """A rank's look at the job's pending commands between its posts (nothing spooled or sent)."""
+        if job_id != self.job_id:
+            return 404, {"error": f"this node agent relays job {self.job_id}, not job {job_id}", "field": None}
+        if not hmac.compare_digest(auth, self._auth):
+            return 401, {"error": "missing or wrong job token", "field": None}
+        return 200, {"commands": self.commands, "server_time": time.time(), "job_status": self.job_status}
 
     # -- sending upstream ----------------------------------------------------------------------------
 
@@ -253,6 +265,13 @@ def _handler(agent: NodeAgent) -> type[BaseHTTPRequestHandler]:
             body = self.rfile.read(length)
             status, payload = agent.take(m[1], self.headers.get("Authorization", "").encode("latin-1"), body)
             self._answer(status, payload)
+
+        def do_GET(self) -> None:  # noqa: N802 - the http.server hook
+            m = COMMANDS_PATH.match(self.path)
+            if m is None:
+                self._answer(404, {"error": "GET /api/v1/jobs/<id>/commands", "field": None})
+                return
+            self._answer(*agent.poll(m[1], self.headers.get("Authorization", "").encode("latin-1")))
 
         def _answer(self, status: int, payload: dict[str, Any]) -> None:
             body = json.dumps(payload, separators=(",", ":")).encode()

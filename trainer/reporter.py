@@ -110,6 +110,11 @@ class HttpReporter:
         # ``url`` is the node agent (trainer/agent.py) and this the control plane: a batch the agent does
         # not take (it is down or hung) goes there directly.
         self.fallback = f"{fallback_url.rstrip('/')}/api/v1/jobs/{job_id}/ingest" if fallback_url else ""
+        # Through an agent, the sender also asks it for commands half-way through each interval (see
+        # trainer/agent.py: a command then waits at most half an interval for this rank).
+        self._commands_url = (f"{url.rstrip('/')}/api/v1/jobs/{job_id}/commands"
+                              if fallback_url and on_commands is not None else "")
+        self.polls = 0
         self.sent_direct = 0
         self._token = token
         self.source, self.rank = source, rank
@@ -170,10 +175,17 @@ class HttpReporter:
     # -- sender thread ------------------------------------------------------------------------------
 
     def _run(self) -> None:
+        wait_s = self.interval_s / 2 if self._commands_url else self.interval_s
+        poll_turn = False
         while True:
-            self._wake.wait(self.interval_s)
+            woken = self._wake.wait(wait_s)
             self._wake.clear()
             stopping = self._stop.is_set()
+            if self._commands_url and not woken and not stopping:
+                poll_turn = not poll_turn  # every other half-interval: ask the agent, send nothing
+                if poll_turn:
+                    self._poll_commands()
+                    continue
             try:
                 if not stopping and time.monotonic() < self._hold_until:
                     while (batch := self._drain()) is not None:
@@ -216,6 +228,17 @@ class HttpReporter:
             if batch is not None and self._send(batch) == RETRY:
                 return
             self._spool.remove(name)
+
+    def _poll_commands(self) -> None:
+        req = urllib.request.Request(self._commands_url, headers={"Authorization": f"Bearer {self._token}"})
+        try:
+            with urllib.request.urlopen(req, timeout=min(self.timeout_s, max(0.2, self.interval_s / 2))) as r:
+                commands = json.loads(r.read() or b"{}").get("commands") or []
+        except Exception:  # noqa: BLE001 - the agent is down or busy: the next post (or the fallback) brings them
+            return
+        self.polls += 1
+        if commands and self._on_commands is not None:
+            self._on_commands(commands)
 
     def _send(self, batch: dict[str, Any]) -> str:
         body = json.dumps({**batch, "sent_at": time.time()}, separators=(",", ":")).encode()

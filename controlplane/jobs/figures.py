@@ -12,7 +12,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime
 
-from django.db.models import Count
+from django.db.models import Count, QuerySet
 
 from controlplane.jobs import health, heartbeats, outages
 from controlplane.jobs.models import Event, Fault, Job, Rank, RankHealth, RestartCycle
@@ -182,6 +182,15 @@ def slowdowns(job: Job, rows: Iterable[Rank], now: datetime, *, complete: bool =
             busy[r.rank] = r.busy_s
         else:
             busy.pop(r.rank, None)
+    return health.slowdowns(busy, margin)
+
+
+def slowdowns_of(job: Job, ranks: QuerySet, now: datetime) -> dict[int, float]:
+    """``slowdowns`` judged with the stored rows of ``ranks`` (the whole world), read as numbers."""
+    margin = health.straggler_margin_pct(job.spec or {})
+    if not job.is_active or margin <= 0:
+        return {}
+    busy = dict(ranks.ok_or_late(now).filter(phase=Phase.TRAIN, busy_s__isnull=False).values_list("rank", "busy_s"))
     return health.slowdowns(busy, margin)
 
 

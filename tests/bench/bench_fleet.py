@@ -13,8 +13,9 @@ per 2 s, every agent sending its node's spool upstream once per 2 s. Phases:
    requests, and each process's CPU; the ingest server's cost per core comes from the highest step held.
 2. Commands: while the held fleet beats, an operator issues in-process restarts of single ranks through
    the operator API (``POST /api/v1/jobs/<id>/commands``, the service the UI's button calls);
-   ``command_p99_s`` is from the POST to the moment the target rank's post to its agent is answered
-   with the command (the rank then acknowledges it).
+   ``command_p99_s`` is from the POST to the moment the target rank's post to its agent, or its
+   half-interval look at the agent's commands, is answered with the command (the rank then
+   acknowledges it at once).
 3. A job-wide in-job restart: every rank of the whole fleet posts the six cycle marks of one restart
    (600,000 marks); ``storm_drain_s`` is from the first post to the moment every mark is a row in the
    database (the cycle folded: one ``RestartCycle``), nan when that took longer than

@@ -11,7 +11,8 @@ are the simulator's.
 
 A rank posts at its own phase in the interval, independent of its agent's (as a real rank's reporter
 is): one heartbeat per interval, plus a ``command_ack`` event for a command it saw in the agent's last
-answer to it. ``FleetAgent._send`` times every upstream request.
+answer to it, and half an interval after its post a look at the agent's commands (``NodeAgent.poll``,
+what the rank's reporter does with a loopback GET). ``FleetAgent._send`` times every upstream request.
 
 The shard runs in a child process and is driven over a pipe (``Shard.serve``); the bench's main process
 (tests/bench/bench_fleet.py) collects what each phase measured.
@@ -97,7 +98,17 @@ class Shard:
         self.posts_ok += 1
         self.last_post_at = time.time()
         self.events_taken += len(body["events"])
-        for c in payload["commands"]:
+        self._look(node, rank, payload["commands"])
+
+    def _poll(self, node: Node, rank: int) -> None:
+        """A rank's reporter asking its agent for commands half-way through its interval (``poll`` is the
+        call the agent's GET handler makes)."""
+        status, payload = node.agent.poll(self.job_id, self.auth)
+        if status == 200:
+            self._look(node, rank, payload["commands"])
+
+    def _look(self, node: Node, rank: int, commands: list[dict[str, Any]]) -> None:
+        for c in commands:
             if c["rank"] == rank and c["id"] not in self.seen:
                 self.seen[c["id"]] = time.time()
                 node.acks.setdefault(rank, []).append(c["id"])
@@ -149,8 +160,10 @@ class Shard:
         nothing (``"none"``: the agents send what they spooled). ``until_drained``: stop after the first
         interval that ends with every spool empty."""
         nodes = [n for n in self.nodes if n.index < active]
-        slots = sorted([(n.index / active, 0, n) for n in nodes] + [(n.rank_phase, 1, n) for n in nodes],
-                       key=lambda s: s[:2])
+        slots = [(n.index / active, 0, n) for n in nodes] + [(n.rank_phase, 1, n) for n in nodes]
+        if posts == "beat":  # the ranks' half-interval look at their agent's commands (trainer/reporter.py)
+            slots += [((n.rank_phase + 0.5) % 1.0, 2, n) for n in nodes]
+        slots.sort(key=lambda s: s[:2])
         self.requests, lags = [], []
         posts0, events0 = self.posts_ok, self.events_taken
         end, k = t0 + duration_s, 0
@@ -165,6 +178,9 @@ class Shard:
                 lags.append(max(0.0, -delay))
                 if kind == 0:
                     self._kick(node)
+                elif kind == 2:
+                    for r in range(RANKS_PER_NODE):
+                        self._poll(node, node.index * RANKS_PER_NODE + r)
                 elif posts == "beat":
                     for r in range(RANKS_PER_NODE):
                         self._beat(node, node.index * RANKS_PER_NODE + r)

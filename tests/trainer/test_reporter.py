@@ -156,3 +156,32 @@ def test_an_acknowledgement_goes_upstream_at_once_through_the_node_agent(tmp_pat
     finally:
         rep.close(timeout_s=1)
         agent.stop(timeout_s=1)
+
+
+def test_a_rank_behind_a_node_agent_gets_a_command_between_its_posts(tmp_path, receiver):
+    """The agent learns a command from its upstream answer; the rank, which has nothing to post, asks the
+    agent half-way through its interval (loopback GET) and gets it without a post of its own."""
+    from trainer.agent import NodeAgent
+
+    agent = NodeAgent(upstream=receiver.url, job_id="42", token="tok", spool_dir=str(tmp_path / "agent"),
+                      interval_s=0.3).start()
+    inbox: list = []
+    rep = make_reporter(url=receiver.url, agent_url=agent.url, job_id="42", token="tok", source="rank:0", rank=0,
+                        spool_dir=str(tmp_path / "spool"), interval_s=4.0, on_commands=inbox.extend)
+    try:
+        rep.heartbeat(step=1, phase="train")
+        rep.flush()  # the rank's one post: the agent now has something to send upstream
+        assert wait_for(lambda: receiver.heartbeats(), 5)
+        receiver.commands.append({"id": 9, "kind": "restart", "rank": 0})
+        # Another rank of the node posts (the same call the agent's HTTP handler makes); the agent's next
+        # upstream send brings the command back.
+        beat = {"rank": 1, "step": 1, "phase": "train", "at": time.time()}
+        assert agent.take("42", b"Bearer tok", json.dumps({"heartbeats": [beat], "events": []}).encode())[0] == 200
+        assert wait_for(lambda: agent.commands, 5)
+        assert wait_for(lambda: inbox, 4.0 + 0.5), "the rank never asked its agent"  # one poll per interval
+        assert [c["id"] for c in inbox] == [9] and rep.polls >= 1
+        assert rep.sent_batches == 1  # no post of its own brought it
+    finally:
+        rep.close(timeout_s=1)
+        agent.stop(timeout_s=1)
+    assert agent.poll("42", b"Bearer wrong")[0] == 401 and agent.poll("7", b"Bearer tok")[0] == 404

@@ -140,3 +140,23 @@ def test_a_straggler_rule_of_the_failure_policy_acts_when_the_watchdog_marks_one
     decision = Event.objects.get(job=job, kind="policy").data
     assert (decision["action"], decision["rule"]) == ("notify", 1)
     assert not Command.objects.filter(job=job).exists()
+
+
+def test_the_sql_health_filter_agrees_with_health_at_for_every_kind_of_row():
+    """``Rank.objects.ok_or_late`` (the watchdog's straggler pass) and ``Rank.health_at`` (everything
+    else) are one rule written twice: every combination of the fields they read gets the same answer."""
+    import itertools
+
+    job, _ = make_job(spec={"procs_per_node": 512})
+    now = timezone.now()
+    before, after = now - timedelta(seconds=5), now + timedelta(seconds=5)
+    rows = []
+    combos = itertools.product(["train", "stopped"], [None, before], [None, before, now, after],
+                               [None, before], [None, before, now, after])
+    for i, (phase, lost, stale, stalled, stall) in enumerate(combos):
+        rows.append(Rank(job=job, rank=i, phase=phase, lost_at=lost, stale_at=stale, stalled_at=stalled,
+                         stall_at=stall, last_heartbeat_at=now - timedelta(seconds=1)))
+    Rank.objects.bulk_create(rows)
+    in_sql = set(Rank.objects.filter(job=job).ok_or_late(now).values_list("rank", flat=True))
+    in_python = {r.rank for r in Rank.objects.filter(job=job) if r.health_at(now) in ("ok", "late")}
+    assert in_sql == in_python and 0 < len(in_sql) < len(rows)
