@@ -209,12 +209,65 @@ def show_step(s: dict) -> None:
         f"cores: " + " ".join(f"{k}={v:.2f}" for k, v in c.items()))
 
 
-def storm(fl: Fleet, cpu: Cpu, job, *, nodes: int, args: argparse.Namespace) -> dict:
+class Neighbour:
+    """Another job on the same control plane while the storm drains: its 2 ranks each post one heartbeat a
+    second straight to the ingest (as standalone ranks do), each post timed; afterwards, whether the
+    watchdog declared either lost. (A storm must not stall other jobs' heartbeats.)"""
+
+    def __init__(self, base: str):
+        import threading
+
+        from controlplane.jobs.models import Job
+        from controlplane.jobs.spec import JobSpec
+
+        self.job = Job(name=f"{NAME}-neighbour-{int(time.time())}", spec=JobSpec(procs_per_node=2).to_dict(),
+                       status="running")
+        self.token = self.job.issue_token()
+        self.job.save()
+        self.url = f"{base}/api/v1/jobs/{self.job.pk}/ingest"
+        self.times: list[float] = []
+        self.failed = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        step = 0
+        while not self._stop.wait(0.5):
+            step += 1
+            rank = step % 2
+            body = json.dumps({"v": 1, "sent_at": time.time(), "source": f"rank:{rank}", "events": [],
+                               "heartbeats": [{"rank": rank, "step": step, "phase": "train", "at": time.time()}]})
+            req = urllib.request.Request(self.url, data=body.encode(), method="POST", headers={
+                "Authorization": f"Bearer {self.token}", "Content-Type": "application/json"})
+            t = time.perf_counter()
+            try:
+                with urllib.request.urlopen(req, timeout=30) as r:
+                    r.read()
+                self.times.append(time.perf_counter() - t)
+            except (OSError, urllib.error.HTTPError):
+                self.failed += 1
+
+    def start(self) -> Neighbour:
+        self._thread.start()
+        return self
+
+    def stop(self) -> dict:
+        from controlplane.jobs.models import Fault
+
+        self._stop.set()
+        self._thread.join(35)
+        lost = Fault.objects.filter(job=self.job, fault_class="heartbeat_lost").count()
+        return {"n": len(self.times), "p50_ms": pct(self.times, 0.5) * 1e3, "p99_ms": pct(self.times, 0.99) * 1e3,
+                "max_ms": max(self.times, default=float("nan")) * 1e3, "failed": self.failed, "lost": lost}
+
+
+def storm(fl: Fleet, cpu: Cpu, job, *, nodes: int, args: argparse.Namespace, base: str) -> dict:
     from controlplane.jobs.models import Event, RestartCycle
 
     expected = nodes * fleet.RANKS_PER_NODE * len(fleet.STORM_MARKS)
     before = Event.objects.filter(job=job, kind="cycle").count()
     t0 = time.time() + 0.5
+    neighbour = Neighbour(base).start()
     fl.start("run", active=nodes, t0=t0, duration_s=args.storm_timeout_s, posts="storm", until_drained=True)
     c0 = cpu.mark()
     drained_at = None
@@ -226,6 +279,7 @@ def storm(fl: Fleet, cpu: Cpu, job, *, nodes: int, args: argparse.Namespace) -> 
             drained_at = time.time()
             break
     c1 = cpu.mark()
+    other = neighbour.stop()
     res = merge(fl.results())
     cycles = RestartCycle.objects.filter(job=job, key=fleet.STORM_CYCLE)
     c = cycles.first()
@@ -235,7 +289,8 @@ def storm(fl: Fleet, cpu: Cpu, job, *, nodes: int, args: argparse.Namespace) -> 
             "drain_s": (drained_at - t0) if drained_at else float("nan"),
             "posted_s": res["last_post_at"] - t0, "requests": len(ok), "not_ok": len(res["requests"]) - len(ok),
             "p99_ms": pct([r[1] for r in ok], 0.99) * 1e3, "cycles": cycles.count(), "marks_set": marks_set,
-            "spool_left": res["pending"], "cpu": Cpu.since(c0, c1), "wall_s": c1["t"] - c0["t"]}
+            "spool_left": res["pending"], "cpu": Cpu.since(c0, c1), "wall_s": c1["t"] - c0["t"],
+            "neighbour": other}
 
 
 def job_page(base: str, job_id: int, sessionid: str, *, requests: int, budget_s: float) -> tuple[float, int, int]:
@@ -378,11 +433,15 @@ def main() -> None:
         delivery = commands(fl, base, job.pk, nodes=best["nodes"], args=args)
         log(f"commands at {best['ranks']} ranks beating: delivery s " + " ".join(f"{d:.2f}" for d in sorted(delivery)))
 
-        st = storm(fl, cpu, job, nodes=args.nodes, args=args)
+        st = storm(fl, cpu, job, nodes=args.nodes, args=args, base=base)
         log(f"storm: {st['marks']} cycle marks posted by {ranks} ranks (posting took {st['posted_s']:.1f} s), "
             f"{st['stored']} stored after {args.storm_timeout_s:.0f} s at most, drained in {st['drain_s']:.1f} s; "
             f"{st['requests']} agent requests (p99 {st['p99_ms']:.0f} ms, {st['not_ok']} not ok); restart cycles for "
             f"it: {st['cycles']} ({st['marks_set']} of 6 marks set); spool files left {st['spool_left']}")
+        nb = st["neighbour"]
+        log(f"another job's heartbeats while the storm drained: {nb['n']} posts, p50 {nb['p50_ms']:.0f} ms, "
+            f"p99 {nb['p99_ms']:.0f} ms, max {nb['max_ms']:.0f} ms, {nb['failed']} failed; its ranks declared "
+            f"lost: {nb['lost']}")
         sc = st["cpu"]
         per_core = st["stored"] / st["wall_s"] / max(1e-9, sc["server"])
         db_per_core = st["stored"] / st["wall_s"] / max(1e-9, sc["postgres"])
