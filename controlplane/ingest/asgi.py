@@ -10,8 +10,8 @@ faults, checkpoints: database writes) and batches of heartbeats alone (the Redis
 storm's backlog of event batches never delays another job's heartbeats (``make bench-fleet``: another
 job's beats waited p50 0.54 s / p99 1.49 s behind a 600,000-mark storm in one lane). The lane is
 chosen from the body's bytes (``"events":[]`` or no ``"events"`` key: heartbeats alone); a batch in
-the wrong lane is still handled in full, only its queue differs. Host checking and middleware do not apply to this machine-facing route;
-authentication is the job token.
+the wrong lane is still handled in full, only its queue differs. Host checking and middleware do not
+apply to this machine-facing route; authentication is the job token.
 
 Use: ``application = with_ingest(get_asgi_application())``, as ``controlplane.asgi.application`` does.
 """
