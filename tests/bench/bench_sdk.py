@@ -5,7 +5,8 @@
   2 ranks, gloo on CPU) runs the same steps as a plain loop under ``torchrun`` (saving its own sync DCP
   checkpoints every 20 steps, as a plain script does) and through the SDK
   under the product's launcher (``trainer.launch --entrypoint``: ft_launcher, the NVRx Wrapper,
-  reporter on, async DCP checkpoints at the interval), alternating, ``--runs`` each. R = median step
+  reporter on, async DCP checkpoints at the interval), alternating, ``--runs`` each (each pair back
+  to back, which one goes first alternating between pairs, so a drifting machine biases neither). R = median step
   time with the SDK / without, checkpoint steps excluded (a save started; with async saves also the
   next step, whose wait for the staging copy is that save's blocking time); P = p99 of the time spent
   inside the SDK's per-step calls (``ctx.step``, ``maybe_save`` on non-saving steps,
@@ -141,8 +142,14 @@ def main() -> int:
     for i in range(a.runs):
         recv = Receiver().start()
         try:
-            plain = run_plain(a.steps)
-            sdk_steps, sdk_calls = run_sdk(a.steps, recv)
+            # The pair's order alternates (plain first, then the SDK first): this VM's step time drifts by
+            # minutes, and a fixed order would book the drift between a pair's two runs as SDK overhead.
+            if i % 2 == 0:
+                plain = run_plain(a.steps)
+                sdk_steps, sdk_calls = run_sdk(a.steps, recv)
+            else:
+                sdk_steps, sdk_calls = run_sdk(a.steps, recv)
+                plain = run_plain(a.steps)
             detects.append(level0_detect(recv))
         finally:
             recv.stop()
