@@ -76,10 +76,9 @@ class NodeAgent:
 
     def take(self, job_id: str, auth: bytes, body: bytes) -> tuple[int, dict[str, Any]]:
         """A rank's batch: spooled, then answered (status, JSON)."""
-        if job_id != self.job_id:
-            return 404, {"error": f"this node agent relays job {self.job_id}, not job {job_id}", "field": None}
-        if not hmac.compare_digest(auth, self._auth):
-            return 401, {"error": "missing or wrong job token", "field": None}
+        refused = self._refuse(job_id, auth)
+        if refused is not None:
+            return refused
         try:
             batch = json.loads(body)
         except ValueError:
@@ -97,12 +96,19 @@ class NodeAgent:
                                   "events": len(batch.get("events", [])), "duplicates": 0},
                      "commands": self.commands, "server_time": time.time(), "job_status": self.job_status}
 
-    def poll(self, job_id: str, auth: bytes) -> tuple[int, dict[str, Any]]:
-        """A rank's look at the job's pending commands between its posts (nothing spooled or sent)."""
+    def _refuse(self, job_id: str, auth: bytes) -> tuple[int, dict[str, Any]] | None:
+        """The answer to a request for another job or with a wrong token; None when it may proceed."""
         if job_id != self.job_id:
             return 404, {"error": f"this node agent relays job {self.job_id}, not job {job_id}", "field": None}
         if not hmac.compare_digest(auth, self._auth):
             return 401, {"error": "missing or wrong job token", "field": None}
+        return None
+
+    def poll(self, job_id: str, auth: bytes) -> tuple[int, dict[str, Any]]:
+        """A rank's look at the job's pending commands between its posts (nothing spooled or sent)."""
+        refused = self._refuse(job_id, auth)
+        if refused is not None:
+            return refused
         return 200, {"commands": self.commands, "server_time": time.time(), "job_status": self.job_status}
 
     # -- sending upstream ----------------------------------------------------------------------------

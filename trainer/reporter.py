@@ -233,12 +233,11 @@ class HttpReporter:
         req = urllib.request.Request(self._commands_url, headers={"Authorization": f"Bearer {self._token}"})
         try:
             with urllib.request.urlopen(req, timeout=min(self.timeout_s, max(0.2, self.interval_s / 2))) as r:
-                commands = json.loads(r.read() or b"{}").get("commands") or []
+                payload = r.read()
         except Exception:  # noqa: BLE001 - the agent is down or busy: the next post (or the fallback) brings them
             return
         self.polls += 1
-        if commands and self._on_commands is not None:
-            self._on_commands(commands)
+        self._offer_commands(payload)
 
     def _send(self, batch: dict[str, Any]) -> str:
         body = json.dumps({**batch, "sent_at": time.time()}, separators=(",", ":")).encode()
@@ -255,14 +254,19 @@ class HttpReporter:
         if verdict != OK:
             return verdict
         self.sent_batches += 1
-        if self._on_commands is not None:
-            try:
-                commands = json.loads(payload or b"{}").get("commands") or []
-            except (ValueError, AttributeError):
-                commands = []
-            if commands:
-                self._on_commands(commands)
+        self._offer_commands(payload)
         return OK
+
+    def _offer_commands(self, payload: bytes | None) -> None:
+        """Hand the commands in an answer (a post's or a poll's) to ``on_commands``."""
+        if self._on_commands is None:
+            return
+        try:
+            commands = json.loads(payload or b"{}").get("commands") or []
+        except (ValueError, AttributeError):
+            commands = []
+        if commands:
+            self._on_commands(commands)
 
 
 def post_batch(endpoint: str, token: str, body: bytes, timeout_s: float, *, who: str) -> tuple[str, bytes, float]:

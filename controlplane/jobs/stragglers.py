@@ -20,7 +20,7 @@ from datetime import datetime
 
 from django.db import connection, transaction
 
-from controlplane.jobs import figures, health, policy
+from controlplane.jobs import figures, policy
 from controlplane.jobs.models import ACTIVE_STATUSES, Event, Job, Rank
 
 log = logging.getLogger(__name__)
@@ -41,7 +41,7 @@ def mark_stragglers(now: datetime) -> int:
 
 def _mark_job(job: Job, now: datetime) -> int:
     ranks = Rank.objects.filter(job=job)
-    slow = figures.slowdowns_of(job, ranks, now) if health.straggler_margin_pct(job.spec) > 0 else {}
+    slow = figures.slowdowns_of(job, ranks, now)
     marked = set(ranks.filter(straggler_at__isnull=False).values_list("rank", flat=True))
     new, gone = sorted(set(slow) - marked), sorted(marked - set(slow))
     if not new and not gone:
