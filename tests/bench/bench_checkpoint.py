@@ -11,7 +11,11 @@ differences (with save - no save), i.e. what the async save blocked plus its int
 time of the steps that overlapped the background save); ``sync_total_s`` is what a sync save blocks.
 Every figure is printed with its spread (min..max over the pairs).
 
-    python tests/bench/bench_checkpoint.py [--repeats 9]
+    python tests/bench/bench_checkpoint.py [--repeats 9] [--controls 5]
+
+``--controls N`` adds N pairs of windows without and with an idle-priority load on each rank as big as
+a sync save's CPU, once burning CPU only and once copying memory: whether this machine's steps pay
+for a background save's CPU or for its memory traffic.
 
 Last line: sync_block_s=<X> async_block_s=<Y> block_ratio=<Y/X> efficiency=<E> async_total_s=<T> sync_total_s=<S>
 """
@@ -32,7 +36,28 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 
-def worker(run_dir: str, repeats: int, window: int) -> None:
+#: A control load (``--controls``): a process at idle CPU priority that burns ``seconds`` of CPU, either
+#: in a pure-Python loop (no memory traffic) or copying an 80 MB buffer (a save's staging and write
+#: stream about that much per rank). On a machine whose steps are bound by memory bandwidth, the copy
+#: slows the steps even though it only runs on idle CPU time, and the loop does not.
+CONTROL = """
+import os, sys, time
+os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+kind, seconds = sys.argv[1], float(sys.argv[2])
+src = bytearray(80 << 20)
+dst = bytearray(len(src))
+t = time.process_time()
+while time.process_time() - t < seconds:
+    if kind == "copy":
+        dst[:] = src
+    else:
+        x = 0
+        for i in range(100_000):
+            x += i
+"""
+
+
+def worker(run_dir: str, repeats: int, window: int, controls: int) -> None:
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -107,6 +132,24 @@ def worker(run_dir: str, repeats: int, window: int) -> None:
             async_block.append(durable[-1]["blocking_s"])
             async_interf.append(durable[-1].get("interference_s"))
     ck.close()
+
+    # Controls: windows without and with an idle-priority load on each rank as big as a sync save's CPU.
+    control: dict[str, list[float]] = {"cpu": [], "copy": []}
+    for kind in control if controls else ():
+        seconds = statistics.median(sync_cpu)
+        for _ in range(controls):
+            dist.barrier()
+            t = time.perf_counter()
+            for _ in range(window):
+                train_step()
+            plain_s = time.perf_counter() - t
+            dist.barrier()
+            t = time.perf_counter()
+            load = subprocess.Popen([sys.executable, "-c", CONTROL, kind, f"{seconds:.3f}"])
+            for _ in range(window):
+                train_step()
+            load.wait()
+            control[kind].append(time.perf_counter() - t - plain_s)
     if rank == 0:
         def spread(xs: list[float], nd: int = 4) -> str:
             return f"median {statistics.median(xs):.{nd}f} (min {min(xs):.{nd}f}, max {max(xs):.{nd}f}, n={len(xs)})"
@@ -137,6 +180,11 @@ def worker(run_dir: str, repeats: int, window: int) -> None:
         # Paired windows (adjacent in time) cancel most of the drift from other load on the machine.
         eff = statistics.median(ratios)
         total = statistics.median(deltas)
+        if controls:
+            print(f"idle-priority load of {statistics.median(sync_cpu):.3f} s CPU per rank (a sync save's), "
+                  "window with it - window without:", flush=True)
+            print(f"  CPU only        {spread(control['cpu'])}", flush=True)
+            print(f"  copying memory  {spread(control['copy'])}", flush=True)
         print(f"load average {os.getloadavg()}", flush=True)
         print(f"sync_block_s={s:.4f} async_block_s={a:.4f} block_ratio={a / s:.4f} efficiency={eff:.4f} "
               f"async_total_s={total:.4f} sync_total_s={s:.4f}", flush=True)
@@ -158,18 +206,21 @@ def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--repeats", type=int, default=9)
     p.add_argument("--window", type=int, default=10)
+    p.add_argument("--controls", type=int, default=0,
+                   help="pairs of windows without/with an idle-priority control load (CPU only, copying memory)")
     p.add_argument("--worker", action="store_true")
     p.add_argument("--run-dir", default=None)
     a = p.parse_args()
     if a.worker:
-        worker(a.run_dir, a.repeats, a.window)
+        worker(a.run_dir, a.repeats, a.window, a.controls)
         return 0
     run_dir = tempfile.mkdtemp(prefix="bench-ckpt-")
     env = dict(os.environ, OMP_NUM_THREADS="1", TORCH_CPP_LOG_LEVEL="ERROR", PYTHONPATH=str(ROOT))
     try:
         return subprocess.call([sys.executable, "-m", "torch.distributed.run", "--standalone",
                                 "--nproc-per-node", "2", __file__, "--worker", "--run-dir", run_dir,
-                                "--repeats", str(a.repeats), "--window", str(a.window)], env=env, cwd=ROOT)
+                                "--repeats", str(a.repeats), "--window", str(a.window), "--controls", str(a.controls)],
+                               env=env, cwd=ROOT)
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
 

@@ -257,3 +257,40 @@ def test_it_reports_the_steps_an_async_save_slowed_down_as_its_interference(tmp_
     ck.save(state, 30, mode=CheckpointMode.SYNC)
     assert "interference_s" not in durable(30)
     ck.close()
+
+
+def test_its_shards_skip_the_zip_checksum_that_torch_load_never_checks_and_still_load(tmp_path, one_rank_world):
+    import io
+    import zipfile
+
+    import torch
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from trainer.checkpoint import Checkpointer
+    from trainer.wire import CheckpointMode
+
+    state, model, _ = _app(0)
+    saved = _weights(model)
+    ck = Checkpointer(root=str(tmp_path), mode=CheckpointMode.ASYNC, keep=2, pg=one_rank_world,
+                      report=lambda *a, **k: None)
+    ck.save(state, 3, mode=CheckpointMode.SYNC)
+    ck.save(state, 4)
+    ck.wait()
+    for step in (3, 4):
+        path = step_dir(str(tmp_path), step)
+        infos = FileSystemReader(path).read_metadata().storage_data.values()
+        assert infos
+        for info in infos:  # each tensor of a DCP shard is one torch.save zip at (offset, length)
+            with open(f"{path}/{info.relative_path}", "rb") as f:
+                f.seek(info.offset)
+                entries = zipfile.ZipFile(io.BytesIO(f.read(info.length))).infolist()
+            assert entries and all(e.CRC == 0 for e in entries), (step, info, [(e.filename, e.CRC) for e in entries])
+    state2, model2, _ = _app(1)
+    assert Checkpointer(root=str(tmp_path), mode=CheckpointMode.ASYNC, keep=2, pg=one_rank_world,
+                        report=lambda *a, **k: None).load(state2) == 4
+    assert all(a.equal(b) for a, b in zip(saved, _weights(model2)))
+    ck.close()
+    # The switch is set only around the write: the training thread's own torch.save keeps its checksums.
+    buf = io.BytesIO()
+    torch.save(torch.arange(4.0), buf)
+    assert all(e.CRC != 0 for e in zipfile.ZipFile(buf).infolist() if e.file_size)
