@@ -54,7 +54,8 @@ def current(row: Rank, fresh: RankState | None, timeouts: Timeouts, now: datetim
 
 def in_grace(row: Rank, windows: list[tuple[float, float]], now: datetime) -> bool:
     """The rank's deadline, moved by the control plane's own outage time after its last heartbeat
-    (``windows``: ``outages.grace_windows``), is still ahead."""
+    (``windows``: ``outages.grace_windows``, which counts the time since the ingest beacon's last tick as
+    outage), is still ahead."""
     if row.stale_at is None or not windows:
         return False
     t = now.timestamp()

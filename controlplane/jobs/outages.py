@@ -11,10 +11,19 @@ heartbeats never counts against a rank's deadline. Two beacons tell:
   web is down, stopped, or cannot reach the database) and closes it when they resume. No beacon at
   all (the web does not run this app) means no grace.
 
+The time since the ``ingest`` beacon's last tick is grace too, from the first second on
+(``grace_windows``): ticks that stopped are told from slow ones only ``INGEST_STALE_S`` later, when the
+outage row opens (back-dated to that tick); otherwise a deadline that fell in those seconds would be
+claimed before the outage is on record. So a rank whose deadline (moved by the recorded outages) falls
+after the beacon's last tick is not lost until the beacon ticks again: lost-rank detection waits for
+ingest to show life after the deadline, at most one tick (``TICK_S``) while ingest is healthy. The
+window since the tick merges with the open ``ingest`` outage, which starts at the same tick.
+
 A rank is overdue when ``stale_at + grace_s(windows, last_heartbeat_at, now) < now``: its deadline
-moves by the part of every grace window after its last heartbeat (``supervision._mark_job_lost``).
-Accepted trade-off: a window is back-dated to the last sign of life, so a rank that died just before
-an outage is found later by up to the outage's length.
+moves by the part of every grace window after its last heartbeat (``health.in_grace``, which the
+watchdog, with either heartbeat store, and the pages share). Accepted trade-off: a window is
+back-dated to the last sign of life, so a rank that died just before an outage is found later by up to
+the outage's length.
 
 Dependencies (``redis``, ``database``, ``broker``): ``dependency_failed`` / ``dependency_ok`` keep a
 per-process state, so an outage is one warning when this process first sees it and one when it ends,
@@ -113,10 +122,15 @@ def check_ingest(now: datetime) -> None:
 
 def grace_windows(now: datetime) -> list[tuple[float, float]]:
     """Merged (start, end) unix seconds of the grace outages that may overlap a live rank's wait; an
-    open one ends at ``now``."""
+    open one ends at ``now``. The time since the ``ingest`` beacon's last tick is one of them (see the
+    module docstring: no ingest outage can have been recorded for it yet)."""
     rows = Outage.objects.filter(component__in=Outage.GRACE).filter(
         Q(ended_at__isnull=True) | Q(ended_at__gte=now - GRACE_HORIZON)).values_list("started_at", "ended_at")
-    spans = sorted((a.timestamp(), (b or now).timestamp()) for a, b in rows)
+    spans = [(a.timestamp(), (b or now).timestamp()) for a, b in rows]
+    last_tick = Beacon.objects.filter(name=Component.INGEST).values_list("at", flat=True).first()
+    if last_tick is not None and last_tick < now:
+        spans.append((last_tick.timestamp(), now.timestamp()))
+    spans.sort()
     merged: list[tuple[float, float]] = []
     for a, b in spans:
         if merged and a <= merged[-1][1]:

@@ -151,9 +151,10 @@ def _mark_job_lost(job: Job, ranks: list[int], now: datetime, store: hb_store.He
     ``source_key`` is rank + deadline, so it is recorded once) and stays unsettled: its index entry is
     kept, and a later pass claims the row once the flush has written it.
 
-    Outage grace (``windows``, from ``outages.grace_windows``): a rank's deadline moves by the outage
-    time after its last heartbeat; a rank past its deadline but inside that grace is not lost yet and
-    stays unsettled (indexed), so a later pass judges it again."""
+    Outage grace (``windows``, from ``outages.grace_windows``, the time since the ingest beacon's last
+    tick included): a rank's deadline moves by the outage time after its last heartbeat; a rank past its
+    deadline but inside that grace is not lost yet and stays unsettled (indexed), so a later pass judges
+    it again; so does a rank whose deadline is exactly ``now``."""
     try:
         fresh = store.freshest(job.pk, ranks)
     except Exception as e:  # noqa: BLE001 - Redis down: judge by the rows (heartbeats fall back to them)
@@ -167,8 +168,14 @@ def _mark_job_lost(job: Job, ranks: list[int], now: datetime, store: hb_store.He
     lost = sorted(r for r, v in views.items() if v.lost_at is None and v.health_at(now) == RankHealth.LOST)
     graced = {r for r in lost if views[r].stale_at is not None and health.in_grace(views[r], windows, now)}
     lost = [r for r in lost if r not in graced]
+    # Settled: every rank but those whose deadline is not ahead and that this call did not claim (graced,
+    # not claimable yet, or due exactly at ``now``: the index returns deadlines <= now, and a deadline
+    # equal to now is not passed yet). Forgetting those would leave them to the database scan, a
+    # ``backstop_grace_s`` later.
+    waiting = {r for r, v in views.items()
+               if v.lost_at is None and v.stale_at is not None and v.stale_at <= now}
     if not lost:
-        return 0, set(ranks) - graced
+        return 0, set(ranks) - waiting
     with transaction.atomic():
         # The row's own deadline must have passed too: a flush that wrote a newer beat meanwhile wins.
         claimed = set(_claim("lost_at", job.pk, lost, now, "lost_at IS NULL AND stale_at < %s"))
@@ -189,7 +196,7 @@ def _mark_job_lost(job: Job, ranks: list[int], now: datetime, store: hb_store.He
         Fault.objects.bulk_create(new, ignore_conflicts=True)
     if new:
         log.warning("job %s: %d rank(s) lost (first: %s)", job.pk, len(new), sorted(f.rank for f in new)[:5])
-    return len(new), ((set(ranks) - set(lost)) | claimed) - graced
+    return len(new), (set(ranks) - waiting) | claimed
 
 
 def mark_stalled(now: datetime | None = None) -> int:

@@ -7,7 +7,7 @@ import pytest
 from django.utils import timezone
 
 from controlplane.dashboard.sections import timeline_part
-from controlplane.jobs import outages, supervision
+from controlplane.jobs import figures, outages, supervision
 from controlplane.jobs.models import Beacon, Fault, Outage, Rank
 from tests.controlplane.conftest import hb, make_job
 from tests.controlplane.jobs.test_supervision import beat
@@ -19,10 +19,13 @@ def at(t0, s):
     return t0 + timedelta(seconds=s)
 
 
-def passes(t0, start, end, step=1.0):
-    """Watchdog passes every ``step`` seconds from ``start`` to ``end`` (inclusive); the ranks marked lost."""
+def passes(t0, start, end, step=1.0, *, ingest=False):
+    """Watchdog passes every ``step`` seconds from ``start`` to ``end`` (inclusive); the ranks marked lost.
+    ``ingest``: the web ticks its beacon before each pass (ingest is up)."""
     n, s = 0, start
     while s <= end + 1e-9:
+        if ingest:
+            outages.tick("ingest", at(t0, s))
         n += supervision.run_watchdog(at(t0, s)).lost
         s += step
     return n
@@ -71,10 +74,55 @@ def test_it_finds_no_lost_rank_while_ingest_is_stopped_longer_than_the_step_time
     assert supervision.run_watchdog(at(t0, 40.5)).lost == 0
     assert Outage.objects.get(component="ingest").ended_at == at(t0, 40.5)
     assert lost(job) == 0
-    # Rank 1 sent nothing since t0: its deadline t0 + 5 moved by the 39.5 s outage, no more.
-    assert passes(t0, 41, 44) == 0
-    assert passes(t0, 45, 45) == 1
+    # Rank 1 sent nothing since t0: its deadline t0 + 5 moved by the 39.5 s outage, no more. (Ingest is
+    # back, so it ticks every second: a deadline after its last tick would wait for the next one.)
+    assert passes(t0, 41, 44, ingest=True) == 0
+    assert passes(t0, 45, 45, ingest=True) == 1
     assert list(Fault.objects.filter(job=job).values_list("rank", flat=True)) == [1]
+
+
+def test_a_deadline_after_the_last_ingest_tick_waits_for_the_next_tick(settle):
+    """Stopped ticks are told from late ones only ``INGEST_STALE_S`` after the last tick: until then,
+    a rank whose deadline fell after that tick is not lost (it may have beaten into a stopped web); once
+    ingest ticks again, it is (lost-rank detection costs one tick), with either heartbeat store."""
+    job, _ = make_job(spec={"step_timeout_s": 5.0, "procs_per_node": 2})
+    t0 = timezone.now() - timedelta(seconds=60)
+    beat(job, hb(0, 5, at=t0.timestamp()), hb(1, 5, at=t0.timestamp()))
+    settle()
+    for s in (1, 2, 3, 4, 4.5):  # ingest ticks, the watchdog runs, every rank is in time
+        outages.tick("ingest", at(t0, s))
+        assert supervision.run_watchdog(at(t0, s)).lost == 0
+    # The deadline t0 + 5 passes; no tick since t0 + 4.5 (1.5 s: no outage on record yet).
+    assert supervision.run_watchdog(at(t0, 5.5)).lost == 0
+    assert supervision.run_watchdog(at(t0, 6)).lost == 0
+    assert not Outage.objects.exists()
+    # The page shows what the watchdog does: late, not lost.
+    rows = list(Rank.objects.filter(job=job))
+    assert {f.health for f in figures.rank_figures(job, rows, at(t0, 6))} == {"late"}
+    outages.tick("ingest", at(t0, 6.2))  # ingest was up all along: the ranks did not beat
+    assert supervision.run_watchdog(at(t0, 6.5)).lost == 2 and lost(job) == 2
+    assert not Outage.objects.exists()
+
+
+def test_it_finds_no_lost_rank_when_ingest_stops_again_soon_after_an_outage(settle):
+    """Flapping ingest: a deadline moved by one outage falls in the next one before that one is on record.
+    The deadline that counts is the moved one, not the rank's own."""
+    job, _ = make_job(spec={"step_timeout_s": 5.0, "procs_per_node": 1})
+    t0 = timezone.now() - timedelta(seconds=60)
+    beat(job, hb(0, 5, at=t0.timestamp()))
+    settle()
+    outages.tick("ingest", at(t0, 1))  # then ingest stops
+    assert passes(t0, 2, 19) == 0
+    # Back for two seconds (its outage closes at t0 + 20: the deadline moves to t0 + 24), then down again.
+    assert passes(t0, 20, 22, 0.5, ingest=True) == 0
+    assert Outage.objects.get(component="ingest").ended_at == at(t0, 20)
+    # t0 + 24 passes 2 s after the last tick, before the second outage is on record (t0 + 28).
+    assert passes(t0, 23, 39) == 0
+    assert list(Outage.objects.filter(component="ingest").order_by("started_at")
+                .values_list("started_at", "ended_at")) == [(at(t0, 1), at(t0, 20)), (at(t0, 22), None)]
+    # Back for good; rank 0 never beat again: its deadline, moved by both outages (19 s + 18 s), is t0 + 42.
+    assert passes(t0, 40, 42, ingest=True) == 0
+    assert passes(t0, 43, 43, ingest=True) == 1 and lost(job) == 1
 
 
 def test_it_shows_the_outage_as_a_band_on_the_job_timeline():
@@ -134,8 +182,6 @@ def test_it_ignores_a_short_pause_of_the_watchdog():
 def test_the_page_and_the_api_show_a_rank_in_outage_grace_as_late_not_lost(settle):
     """What the watchdog will not claim (its deadline moved by the control plane's own outage) is not
     shown as lost either."""
-    from controlplane.jobs import figures
-
     job, _ = make_job(spec={"step_timeout_s": 5.0, "procs_per_node": 2})
     t0 = timezone.now() - timedelta(seconds=60)
     beat(job, hb(0, 5, at=t0.timestamp()), hb(1, 5, at=t0.timestamp()))

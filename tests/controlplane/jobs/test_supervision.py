@@ -97,6 +97,21 @@ def test_it_catches_up_after_the_workers_were_down(settle):
     assert lost_faults(job).count() == 2
 
 
+def test_a_pass_at_a_rank_s_exact_deadline_leaves_it_to_the_next_pass(settle, hb_store):
+    """A deadline equal to ``now`` has not passed (``Rank.health_at``), though the Redis store's deadline
+    index returns it (deadlines <= now): the rank must stay indexed, so the next pass finds it lost, not
+    the database scan a ``backstop_grace_s`` (15 s) later."""
+    job, _ = make_job(spec={"step_timeout_s": 10.0})
+    t = float(int(time.time()) - 30)  # whole seconds: the index's score and the row's deadline are equal
+    beat(job, hb(0, 5, at=t))
+    settle()
+    deadline = Rank.objects.get(job=job, rank=0).stale_at
+    assert deadline.timestamp() == t + 10
+    assert [e[:2] for e in hb_store.overdue(deadline)] in ([], [(job.pk, 0)])  # [] for the database store
+    assert supervision.mark_overdue(deadline) == 0
+    assert supervision.mark_overdue(deadline + timedelta(seconds=1)) == 1
+
+
 @needs_redis()
 def test_it_detects_a_lost_rank_from_redis_before_any_flush(hb_store):
     job, _ = make_job(spec={"step_timeout_s": 10.0})
