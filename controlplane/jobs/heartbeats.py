@@ -52,6 +52,7 @@ from controlplane.jobs.rank_rows import (  # noqa: F401 - the stores' shared typ
     _UPSERT_TAIL,
     RankState,
     Timeouts,
+    batch_progress,
     beat_dict,
     newest_per_rank,
     update_job_progress,
@@ -86,9 +87,13 @@ class DbHeartbeatStore:
     backstop_grace_s = 0.0  # the rows are the truth
 
     def record(self, job_id: int, beats: list[dict], timeouts: Timeouts, *, now: datetime) -> None:
+        if not beats:
+            return
         states = newest_per_rank(beats).values()
         upsert_ranks(job_id, states, timeouts, now=now)
-        update_job_progress(job_id, states)
+        top, first_train = batch_progress([b["step"] for b in beats], [b["at"] for b in beats],
+                                          [b["phase"] for b in beats])
+        update_job_progress(job_id, states, top=top, first_train=first_train)
 
     def flush(self, *, now: datetime | None = None) -> int:
         return 0
@@ -328,13 +333,11 @@ class RedisHeartbeatStore:
         phases = [b["phase"] for b in beats]
         steps = [b["step"] for b in beats]
         deadlines = timeouts.deadlines(phases, ats)
-        top_step = max(steps)
-        top_at = min(a for a, st in zip(ats, steps, strict=True) if st == top_step)
-        train = [a for a, p in zip(ats, phases, strict=True) if p == _TRAIN]
+        (top_step, top_at), first_train = batch_progress(steps, ats, phases)
         dumps = orjson.dumps
         self._record(keys=[*self.keys(job_id), self.DIRTY, self.JOBS],
-                     args=[job_id, top_step, top_at, min(train) if train else "", dumps(ranks), dumps(ats),
-                           dumps(deadlines), dumps(beats)])
+                     args=[job_id, top_step, top_at, "" if first_train is None else first_train, dumps(ranks),
+                           dumps(ats), dumps(deadlines), dumps(beats)])
 
     def flush(self, *, now: datetime | None = None) -> int:
         """Write the newest states of jobs with new beats into ``Rank`` rows and the jobs' progress.
