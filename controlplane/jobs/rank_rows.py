@@ -214,7 +214,8 @@ def _upsert_values(job_id: int, rows: list[RankState], timeouts: Timeouts, now: 
             cur.execute(head + ", ".join([one] * len(part)) + _UPSERT_TAIL, params)
 
 
-def batch_progress(steps: list[int], ats: list[float], phases: list[str]) -> tuple[tuple[int, float], float | None]:
+def batch_progress(steps: list[int], ats: list[float],
+                   phases: list[str]) -> tuple[tuple[int, float], float | None]:
     """A batch's progress facts over every beat in it (not only each rank's newest): (top step, when it
     was first reached) and the earliest train beat (None: no train beat). Both heartbeat stores fold
     batches into the job's progress with these (``update_job_progress``; Redis: its progress hash)."""

@@ -208,7 +208,8 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=9)
     p.add_argument("--window", type=int, default=10)
     p.add_argument("--controls", type=int, default=0,
-                   help="pairs of windows without/with an idle-priority control load (CPU only, copying memory)")
+                   help="pairs of windows without/with an idle-priority control load "
+                        "(CPU only, copying memory)")
     p.add_argument("--worker", action="store_true")
     p.add_argument("--run-dir", default=None)
     a = p.parse_args()
@@ -220,7 +221,8 @@ def main() -> int:
     try:
         return subprocess.call([sys.executable, "-m", "torch.distributed.run", "--standalone",
                                 "--nproc-per-node", "2", __file__, "--worker", "--run-dir", run_dir,
-                                "--repeats", str(a.repeats), "--window", str(a.window), "--controls", str(a.controls)],
+                                "--repeats", str(a.repeats), "--window", str(a.window),
+                                "--controls", str(a.controls)],
                                env=env, cwd=ROOT)
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)

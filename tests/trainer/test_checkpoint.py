@@ -259,7 +259,8 @@ def test_it_reports_the_steps_an_async_save_slowed_down_as_its_interference(tmp_
     ck.close()
 
 
-def test_its_shards_skip_the_zip_checksum_that_torch_load_never_checks_and_still_load(tmp_path, one_rank_world):
+def test_its_shards_skip_the_zip_checksum_that_torch_load_never_checks_and_still_load(tmp_path,
+                                                                                      one_rank_world):
     import io
     import zipfile
 
@@ -284,7 +285,8 @@ def test_its_shards_skip_the_zip_checksum_that_torch_load_never_checks_and_still
             with open(f"{path}/{info.relative_path}", "rb") as f:
                 f.seek(info.offset)
                 entries = zipfile.ZipFile(io.BytesIO(f.read(info.length))).infolist()
-            assert entries and all(e.CRC == 0 for e in entries), (step, info, [(e.filename, e.CRC) for e in entries])
+            assert entries and all(e.CRC == 0 for e in entries), (
+                step, info, [(e.filename, e.CRC) for e in entries])
     state2, model2, _ = _app(1)
     assert Checkpointer(root=str(tmp_path), mode=CheckpointMode.ASYNC, keep=2, pg=one_rank_world,
                         report=lambda *a, **k: None).load(state2) == 4
