@@ -169,14 +169,15 @@ def slowdowns(job: Job, rows: Iterable[Rank], now: datetime, *, complete: bool =
     """{rank: slowdown in percent} of the job's stragglers (``health.slowdowns``), judged with ``rows``
     (already moved forward to the store's newest beats: ``health.current``) and, unless ``complete`` says
     they are the whole world, the stored rows of the other ranks (one query; those lag Redis by up to a
-    flush). A rank counts while it trains and is neither lost nor stalled."""
+    flush). A rank counts while it trains and ``Rank.health_at`` judges it ok or late (the other ranks'
+    rows through ``Rank.objects.ok_or_late``, the same rule in SQL)."""
     margin = health.straggler_margin_pct(job.spec or {})
     if not job.is_active or margin <= 0:
         return {}
     busy: dict[int, float] = {}
     if not complete:
-        busy = dict(Rank.objects.filter(job=job, phase=Phase.TRAIN, busy_s__isnull=False, lost_at__isnull=True,
-                                        stalled_at__isnull=True).values_list("rank", "busy_s"))
+        others = Rank.objects.filter(job=job).ok_or_late(now)
+        busy = dict(others.filter(phase=Phase.TRAIN, busy_s__isnull=False).values_list("rank", "busy_s"))
     for r in rows:
         if r.phase == Phase.TRAIN and r.busy_s is not None and r.health_at(now) in (RankHealth.OK, RankHealth.LATE):
             busy[r.rank] = r.busy_s

@@ -9,7 +9,7 @@ from django.utils import timezone
 
 from controlplane.dashboard import sections
 from controlplane.dashboard.metrics import render_metrics
-from controlplane.jobs import health, ingestion, supervision
+from controlplane.jobs import figures, health, ingestion, supervision
 from controlplane.jobs.models import Event, Rank
 from controlplane.jobs.spec import JobSpec, SpecError
 from controlplane.jobs.stragglers import STRAGGLER_EVENT, straggler_spans
@@ -58,6 +58,18 @@ def test_a_rank_that_is_lost_is_lost_not_a_straggler():
     t = time.time() - 30
     beat(job, hb(0, 10, at=time.time(), busy_s=0.1), hb(1, 10, at=t, busy_s=0.5))
     assert table(job, timezone.now()) == {0: ("ok", None), 1: ("lost", None)}
+
+
+def test_a_rank_past_its_deadline_is_nobody_s_peer_in_metrics_either(settle):
+    """Read without the page's rows (``/metrics``), the other ranks are judged by the same rule as the
+    page's: a rank past its deadline that the watchdog has not marked yet is no straggler, and no peer."""
+    job, _ = make_job(spec={"procs_per_node": 3, "step_timeout_s": 10.0})
+    now = time.time()
+    beat(job, hb(0, 10, at=now, busy_s=0.13), hb(1, 10, at=now, busy_s=0.10),
+         hb(2, 10, at=now - 30, busy_s=0.20))  # rank 2: past its 10 s deadline, not marked lost yet
+    settle()
+    assert figures.slowdowns(job, [], timezone.now()) == {0: 30.0}
+    assert table(job, timezone.now()) == {0: ("straggler", 30.0), 1: ("ok", None), 2: ("lost", None)}
 
 
 def test_the_margin_comes_from_the_spec():
