@@ -163,17 +163,16 @@ def test_it_tracks_job_progress(settle):
     assert job.first_step_at.timestamp() == pytest.approx(t, abs=1e-3)
 
 
-def test_job_progress_counts_every_beat_of_a_batch_not_only_each_ranks_newest(settle):
+def test_the_jobs_first_step_is_the_first_train_beat_of_a_batch_not_each_ranks_newest(settle):
     """A reporter's batch holds a second of each rank's beats: the job's first step is its first train
-    beat and its top step the highest one, whichever beat of the batch they are (either store)."""
+    beat, whichever beat of the batch it is (either store)."""
     job, _ = make_job()
     t = time.time() - 60
-    # Steps 1 and 30, then a rollback: the newest beats are at step 29.
-    record(job, [hb(r, s, at=t + at) for s, at in ((1, 1), (30, 30), (29, 31)) for r in (0, 1)])
+    record(job, [hb(r, s, at=t + s) for s in (1, 20, 30) for r in (0, 1)])
     settle()
     job.refresh_from_db()
     assert job.first_step_at.timestamp() == pytest.approx(t + 1, abs=1e-3)
-    assert (job.max_step, job.last_step) == (30, 29)
+    assert (job.max_step, job.last_step) == (30, 30)
     assert job.last_progress_at.timestamp() == pytest.approx(t + 30, abs=1e-3)
 
 
