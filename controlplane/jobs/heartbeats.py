@@ -52,8 +52,8 @@ from controlplane.jobs.rank_rows import (  # noqa: F401 - the stores' shared typ
     _UPSERT_TAIL,
     RankState,
     Timeouts,
-    batch_progress,
     beat_dict,
+    first_train_at,
     newest_per_rank,
     update_job_progress,
     upsert_ranks,
@@ -95,8 +95,7 @@ class DbHeartbeatStore:
         # (Progress written in the ingest transaction is what a "without progress" policy rule reads at
         # the watchdog's next pass; changing when it moves is a policy question: see controlplane/jobs/
         # policy.py's trade-offs.)
-        _top, first_train = batch_progress([b["step"] for b in beats], [b["at"] for b in beats],
-                                           [b["phase"] for b in beats])
+        first_train = first_train_at([b["at"] for b in beats], [b["phase"] for b in beats])
         update_job_progress(job_id, states, first_train=first_train)
 
     def flush(self, *, now: datetime | None = None) -> int:
@@ -337,7 +336,9 @@ class RedisHeartbeatStore:
         phases = [b["phase"] for b in beats]
         steps = [b["step"] for b in beats]
         deadlines = timeouts.deadlines(phases, ats)
-        (top_step, top_at), first_train = batch_progress(steps, ats, phases)
+        top_step = max(steps)
+        top_at = min(a for a, st in zip(ats, steps, strict=True) if st == top_step)
+        first_train = first_train_at(ats, phases)
         dumps = orjson.dumps
         self._record(keys=[*self.keys(job_id), self.DIRTY, self.JOBS],
                      args=[job_id, top_step, top_at, "" if first_train is None else first_train, dumps(ranks),

@@ -214,15 +214,10 @@ def _upsert_values(job_id: int, rows: list[RankState], timeouts: Timeouts, now: 
             cur.execute(head + ", ".join([one] * len(part)) + _UPSERT_TAIL, params)
 
 
-def batch_progress(steps: list[int], ats: list[float],
-                   phases: list[str]) -> tuple[tuple[int, float], float | None]:
-    """A batch's progress facts over every beat in it (not only each rank's newest): (top step, when it
-    was first reached) and the earliest train beat (None: no train beat). Both heartbeat stores fold
-    batches into the job's progress with these (``update_job_progress``; Redis: its progress hash)."""
-    top_step = max(steps)
-    top_at = min(a for a, st in zip(ats, steps, strict=True) if st == top_step)
-    train = [a for a, p in zip(ats, phases, strict=True) if p == _TRAIN]
-    return (top_step, top_at), (min(train) if train else None)
+def first_train_at(ats: list[float], phases: list[str]) -> float | None:
+    """The earliest train beat of a batch, over every beat in it (not only each rank's newest); None:
+    no train beat. Both heartbeat stores fold it into the job's ``first_step_at``."""
+    return min((a for a, p in zip(ats, phases, strict=True) if p == _TRAIN), default=None)
 
 
 def update_job_progress(job_id: int, states: Iterable[RankState], *, top: tuple[int, float] | None = None,
