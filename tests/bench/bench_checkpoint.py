@@ -94,6 +94,14 @@ def worker(run_dir: str, repeats: int, window: int, controls: int) -> None:
         step += 1
         ck.poll()
 
+    def plain_window() -> float:
+        """A window of steps with nothing beside them, all ranks starting together: its wall time."""
+        dist.barrier()
+        t = time.perf_counter()
+        for _ in range(window):
+            train_step()
+        return time.perf_counter() - t
+
     for _ in range(3):
         train_step()
     # Warm the persistent stager (first async save allocates its buffers), as a long run would be.
@@ -115,11 +123,7 @@ def worker(run_dir: str, repeats: int, window: int, controls: int) -> None:
     # Pairs: a window with no save, then a window with one async save, alternating.
     plain, with_save, async_block, async_interf = [], [], [], []
     for _ in range(repeats):
-        dist.barrier()
-        t = time.perf_counter()
-        for _ in range(window):
-            train_step()
-        plain.append(time.perf_counter() - t)
+        plain.append(plain_window())
         dist.barrier()
         n_events = len(events)
         t = time.perf_counter()
@@ -139,11 +143,7 @@ def worker(run_dir: str, repeats: int, window: int, controls: int) -> None:
     for kind in control if controls else ():
         seconds = statistics.median(sync_cpu)
         for _ in range(controls):
-            dist.barrier()
-            t = time.perf_counter()
-            for _ in range(window):
-                train_step()
-            plain_s = time.perf_counter() - t
+            plain_s = plain_window()
             dist.barrier()
             t = time.perf_counter()
             load = subprocess.Popen([sys.executable, "-c", CONTROL, kind, f"{seconds:.3f}"])
