@@ -338,6 +338,10 @@ class Fault(models.Model):
     source_key = models.CharField(max_length=100)
     # When the failure policy decided this fault (``jobs.policy``: claimed by a conditional UPDATE).
     policy_at = models.DateTimeField(null=True, blank=True)
+    # The job's last step progress when this fault was recorded, never later than ``at`` (null: none yet).
+    # A rule counting faults "without progress" counts those since it: progress the job makes after the
+    # fault (its own recovery) must not drop the fault from its own count.
+    progress_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:
         constraints = [models.UniqueConstraint(fields=["job", "source_key"], name="uniq_fault_source")]
@@ -348,6 +352,14 @@ class Fault(models.Model):
     @property
     def detection_s(self) -> float:
         return max(0.0, (self.detected_at - self.at).total_seconds())
+
+    @staticmethod
+    def progress_before(job_id: int, at: datetime, *, last: datetime | None | bool = False) -> datetime | None:
+        """``progress_at`` for a fault of ``job_id`` at ``at``: the job's last step progress (read now,
+        or ``last`` when the caller has it), clipped to ``at``."""
+        if last is False:
+            last = Job.objects.filter(pk=job_id).values_list("last_progress_at", flat=True).first()
+        return None if last is None else min(last, at)
 
 
 class Checkpoint(models.Model):

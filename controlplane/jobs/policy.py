@@ -15,8 +15,10 @@ each restart layer has left) and acts:
 
 Accepted trade-offs: a fault the trainer catches (exception, NaN loss, hang) was already retried by its
 own layer when the control plane hears of it, so a rule's action follows that first retry (a rule
-``nan_loss: restart_in_job`` restarts the worker group right after the in-process restart began); a
-rule counting faults "without progress" reads ``Job.last_progress_at``, which lags the Redis heartbeat
+``nan_loss: restart_in_job`` restarts the worker group right after the in-process restart began). A
+rule counting faults "without progress" counts those since the job's last progress as of the fault
+(``Fault.progress_at``, kept when it is recorded), so the recovery that follows a fault cannot take it
+out of its own count however late the decision runs; the progress it reads lags the Redis heartbeat
 store by up to one flush.
 """
 
@@ -88,12 +90,12 @@ def launch_facts(fault_class: str, message: str) -> Facts:
                  signal=sig.group(1) if sig else None, text=message)
 
 
-def rule_counts(job: Job, rules: Sequence[Rule], *, until: datetime) -> list[int]:
-    """Faults of ``job`` up to ``until`` that each rule matches, in its window (since the job last made
-    step progress, or all)."""
+def rule_counts(job: Job, rules: Sequence[Rule], *, until: datetime, since: datetime | None) -> list[int]:
+    """Faults of ``job`` up to ``until`` that each rule matches, in its window: since ``since`` (the
+    job's last step progress before the fault being decided, ``Fault.progress_at``; for the next fault,
+    ``Job.last_progress_at``; None: none yet), or all."""
     if not rules:
         return []
-    since = job.last_progress_at
     qs = Fault.objects.filter(job=job, at__lte=until).order_by("-at", "-id")
     if since is not None and all(r.without_progress for r in rules):
         qs = qs.filter(at__gte=since)
@@ -143,7 +145,7 @@ def decide_fault(job: Job, f: Fault, spec: JobSpec | None = None) -> Decision:
     rules = spec.failure_policy
     kill = any(r.match.exit_code is not None or r.match.signal is not None for r in rules)
     facts = facts_of(f, kill=kill) if rules else Facts(fault_class=f.fault_class)
-    d = decide(rules, facts, rule_counts(job, rules, until=f.at), budget(job, spec))
+    d = decide(rules, facts, rule_counts(job, rules, until=f.at, since=f.progress_at), budget(job, spec))
     if d.written or f.cycle is None or f.cycle.layer not in LAYER_ACTION:
         return d
     return Decision(LAYER_ACTION[Layer(f.cycle.layer)], None,
@@ -157,7 +159,7 @@ def decide_launch(job: Job, faults: Sequence[tuple[str, str]], spec: JobSpec) ->
     rules = spec.failure_policy
     if not rules:
         return None
-    counts = rule_counts(job, rules, until=timezone.now())
+    counts = rule_counts(job, rules, until=timezone.now(), since=job.last_progress_at)
     b = budget(job, spec)
     for cls, message in faults:
         d = decide(rules, launch_facts(cls, message), counts, b)
@@ -181,7 +183,7 @@ def what_next(job: Job, now: datetime | None = None) -> list[NextRow]:
     now = now or timezone.now()
     spec = job.job_spec
     rules = spec.failure_policy
-    counts = rule_counts(job, rules, until=now)
+    counts = rule_counts(job, rules, until=now, since=job.last_progress_at)
     b = budget(job, spec)
     classes = [c.value for c in FaultClass]
     if spec.backend != "kubernetes":

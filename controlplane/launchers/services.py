@@ -154,6 +154,7 @@ def record_launch_fault(job: Job, fault: LaunchFault, *, decided: bool = False) 
         with transaction.atomic():
             Fault.objects.create(job=job, fault_class=fault.fault_class, rank=fault.rank, node=fault.node,
                                  detected_by="launcher", message=fault.message[:2000], at=at,
+                                 progress_at=Fault.progress_before(job.pk, at),
                                  source_key=f"{job.backend}:{fault.source_key}"[:100],
                                  policy_at=timezone.now() if decided else None)
         return True

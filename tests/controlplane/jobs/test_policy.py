@@ -33,7 +33,8 @@ def _job(rules, **kw):
 def _fault(job, cls, *, at=None, rank=1, message="", key=None, cycle=None):
     at = at or timezone.now()
     return Fault.objects.create(job=job, fault_class=cls, rank=rank, detected_by="trainer", message=message,
-                                at=at, detected_at=at, cycle=cycle, source_key=key or f"k{Fault.objects.count()}")
+                                at=at, detected_at=at, cycle=cycle, source_key=key or f"k{Fault.objects.count()}",
+                                progress_at=Fault.progress_before(job.pk, at))  # as every recording site does
 
 
 def _decisions(job):
@@ -80,6 +81,27 @@ def test_progress_between_two_faults_resets_the_count(nudges):
     assert policy.apply_policies() == 1
     whole_job.refresh_from_db()
     assert whole_job.status == "failed"
+
+
+def test_progress_after_a_fault_does_not_take_it_out_of_its_own_count(nudges, django_capture_on_commit_callbacks):
+    """The ranks resume within a second of an in-process restart: the step progress they make can reach
+    the job before the watchdog's pass decides the fault. Decided late, it still counts (itself, and the
+    faults since the progress before it)."""
+    now = timezone.now()
+    once = _job([{"match": {"class": "exception"}, "action": "stop_keep"}],
+                last_progress_at=now - timedelta(seconds=30))
+    _fault(once, "exception", at=now - timedelta(seconds=2))
+    twice = _job([{"match": {"class": "nan_loss"}, "action": "stop", "after": 2}],
+                 last_progress_at=now - timedelta(seconds=30))
+    _fault(twice, "nan_loss", at=now - timedelta(seconds=20))
+    _fault(twice, "nan_loss", at=now - timedelta(seconds=2))
+    Job.objects.filter(pk__in=[once.pk, twice.pk]).update(last_progress_at=now - timedelta(seconds=1), max_step=13)
+    with django_capture_on_commit_callbacks(execute=True):
+        assert policy.apply_policies() == 2
+    for job, words in ((once, "exception → stop, keep processes"), (twice, "nan_loss ×2 without progress → stop")):
+        job.refresh_from_db()
+        assert job.status == "failed", job.status_reason
+        assert words in job.status_reason, job.status_reason
 
 
 def test_it_reads_the_exit_code_of_the_trainers_fault_event(nudges):
