@@ -658,6 +658,11 @@ class Checkpointer:
         self._emit(step=step, mode=mode, state=CheckpointState.IN_FLIGHT, blocking_s=round(blocking, 6))
         _upload(resp).add_done_callback(lambda done, f=f: self._written(f, done))
 
+    @property
+    def in_flight(self) -> bool:
+        """A save started and no step boundary (``poll``) has seen it end yet: the steps it overlaps."""
+        return self._in_flight is not None
+
     def maybe_wait_for_staging(self) -> None:
         """Right before ``optimizer.step()``: the staging copy must finish before the step mutates state."""
         f = self._in_flight

@@ -37,8 +37,6 @@ from trainer.wire import CheckpointMode, CommandKind, CycleMark, DrillFault, Eve
 
 log = logging.getLogger(__name__)
 
-# The in-process layer's progress ping, at most this often (its soft timeout is seconds).
-PING_EVERY_S = 0.2
 PG_BEFORE_ENTRYPOINT = (
     "unbroken: a process group exists before the entrypoint runs. Create it inside the entrypoint with "
     "ctx.init_process_group(), not before it: an in-process restart re-creates it for every attempt.")
@@ -172,6 +170,12 @@ class CheckpointAPI:
         if self._checkpointer is not None:
             self._checkpointer.maybe_wait_for_staging()
 
+    @property
+    def in_flight(self) -> bool:
+        """True while an async save is being written: the steps it overlaps are the save's interference
+        (the job page books their extra time to the checkpoint)."""
+        return self._checkpointer is not None and self._checkpointer.in_flight
+
     def maybe_save(self, step: int) -> bool:
         """Save (async, per the job's checkpoint settings) when ``step`` is on the interval; True if it did."""
         ctx = self._ctx
@@ -209,7 +213,7 @@ class Context:
 
     def __init__(self, *, session: Session | None, scope: Any, impl: UserRun | None, pacer: Any = None):
         self.session, self.scope, self._impl = session, scope, impl
-        self._pacer = pacer  # sends the in-process layer's progress pings from a thread (PacedPing)
+        self._pacer = pacer  # the in-process layer's progress (ProgressMark)
         self.iteration: int = getattr(scope, "iteration", 0)
         self.ckpt_pg: Any = None
         self._ctl_pg: Any = None
@@ -352,7 +356,7 @@ def run(fn: Callable[[Context], Any], impl: UserRun | None) -> Any:
         raise RuntimeError(PG_BEFORE_ENTRYPOINT)
     if impl is None:
         return fn(Context(session=None, scope=None, impl=None))
-    from trainer.resilience import NullFt, PacedPing, wrap_loop
+    from trainer.resilience import NullFt, ProgressMark, wrap_loop
 
     impl.upgrade(level=2)
     cfg, env = impl.cfg, impl.env
@@ -362,7 +366,7 @@ def run(fn: Callable[[Context], Any], impl: UserRun | None) -> Any:
                       ft=impl.ft or NullFt(), inbox=impl.inbox if env.initial_rank == 0 else None,
                       device=pick_device(cfg, env))
 
-    pacer = PacedPing(PING_EVERY_S)
+    pacer = ProgressMark()
 
     def attempt(scope: Any) -> Any:
         ctx = Context(session=session, scope=scope, impl=impl, pacer=pacer)

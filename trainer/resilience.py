@@ -20,6 +20,7 @@ import logging
 import os
 import socket
 import threading
+import time
 from typing import Any, Callable, Optional
 
 import psutil
@@ -143,11 +144,12 @@ class PacedFt(_Pacer):
 
     thread_name = "unbroken-ft"
 
-    def __init__(self, client: FtClient, period_s: float = 0.5, *, stack_file: Any = None,
+    def __init__(self, client: FtClient, period_s: float = 1.0, *, stack_file: Any = None,
                  dump_after_s: float = 0.0):
         super().__init__(period_s)
         self._client = client
         self._stack_file, self._dump_after_s = stack_file, dump_after_s
+        self._armed_at = float("-inf")
         self._alive_until = 0.0
 
     def start(self) -> None:
@@ -177,7 +179,12 @@ class PacedFt(_Pacer):
         self._client.heartbeat()
 
     def _after_send(self) -> None:
-        if self._stack_file is not None and not self._stop.is_set():
+        # Re-armed at most every eighth of its delay (each arming joins faulthandler's watchdog thread and
+        # starts a new one): the stacks are written between 7/8 of the delay and the delay after the last
+        # heartbeat, still before ft_launcher's timeout.
+        now = time.monotonic()
+        if self._stack_file is not None and not self._stop.is_set() and now - self._armed_at >= self._dump_after_s / 8:
+            self._armed_at = now
             self._stack_file.seek(0)
             self._stack_file.truncate()  # the file holds the latest hang's stacks only
             faulthandler.dump_traceback_later(self._dump_after_s, file=self._stack_file)
@@ -213,6 +220,55 @@ class PacedPing(_Pacer):
 
     def _send(self) -> None:
         self._scope.ping()
+
+
+class ProgressMark:
+    """The loop's progress for the in-process layer, with no send of ours: each ``tick`` (once a step, on
+    the loop) writes the time of that progress into the armed scope's progress-watchdog timestamp
+    (``CallWrapper.progress_watchdog.timestamp.manual``, what ``CallWrapper.ping`` sets), which NVRx's
+    own watchdog thread already sends to the monitor process every ``progress_watchdog_interval``.
+    ``ping`` sends at once instead (a put on a multiprocessing queue, a wake of its feeder thread, the
+    monitor process's read): from a thread of ours every 0.2 s that was ~10 wakes a second per rank,
+    each taking the interpreter lock from the loop, for a timestamp the watchdog delivers anyway. The
+    monitor now sees when the loop last progressed, not when a later ping went out, so a hang is
+    detected ``soft_timeout`` after the last step (was up to one ping period later).
+
+    ``tick`` is an attribute write and a monotonic clock read (vDSO: no system call). Between attempts
+    nothing is armed (the Wrapper resets the watchdog's timestamp for the next one). A scope with no
+    progress watchdog (an NVRx that moved it) gets pings from a ``PacedPing`` instead; in-process
+    restart off (``NoRestart``): nothing."""
+
+    def __init__(self, fallback_period_s: float = 0.2):
+        self._watchdog: Any = None
+        self._fallback_period_s = fallback_period_s
+        self._fallback: Optional["PacedPing"] = None
+
+    def arm(self, scope: Any) -> None:
+        self.disarm()
+        watchdog = getattr(scope, "progress_watchdog", None)
+        if watchdog is not None and hasattr(watchdog, "timestamp"):
+            self._watchdog = watchdog
+        elif not isinstance(scope, NoRestart):
+            if self._fallback is None:
+                self._fallback = PacedPing(self._fallback_period_s)
+            self._fallback.arm(scope)
+
+    def tick(self) -> None:
+        watchdog = self._watchdog
+        if watchdog is not None:
+            watchdog.timestamp.manual = time.monotonic()
+        elif self._fallback is not None:
+            self._fallback.tick()
+
+    def disarm(self) -> None:
+        self._watchdog = None
+        if self._fallback is not None:
+            self._fallback.disarm()
+
+    def stop(self) -> None:
+        self.disarm()
+        if self._fallback is not None:
+            self._fallback.stop()
 
 
 # -- in-process: NVRx Wrapper and its hooks -------------------------------------------------------------

@@ -400,13 +400,14 @@ class UserRun:
     def _beat_loop(self) -> None:
         """Level 0: the rank is alive as long as its process is. Level 1 beats from the loop instead."""
         while not self._closed.wait(self.cfg.report_interval):
-            if self.level == 0:
-                try:
-                    self._shared_progress()
-                    self.reporter.heartbeat(step=self.step_no, phase=self.phase, loss=self.loss)
-                    self._commands()
-                except Exception:  # never let this thread die; the facts are best effort
-                    log.warning("heartbeat thread", exc_info=True)
+            if self.level >= 1:  # the loop beats from now on: this thread has nothing left to do
+                return
+            try:
+                self._shared_progress()
+                self.reporter.heartbeat(step=self.step_no, phase=self.phase, loss=self.loss)
+                self._commands()
+            except Exception:  # never let this thread die; the facts are best effort
+                log.warning("heartbeat thread", exc_info=True)
 
     # -- Level 1 ----------------------------------------------------------------------------------------
 
@@ -423,7 +424,9 @@ class UserRun:
                 # A hung loop's stack, written before ft_launcher's heartbeat timeout kills the rank.
                 path = hang_stack_path(self.cfg.run_dir, self.rank)
                 stack = open(path, "w", encoding="utf-8")  # noqa: SIM115 - kept open for faulthandler
-                self.ft = PacedFt(FtClient(), stack_file=stack,
+                # Each heartbeat is a round trip to the rank monitor process: ~1 s apart is plenty
+                # against its timeout (the step timeout, tens of seconds by default).
+                self.ft = PacedFt(FtClient(), period_s=min(1.0, self.cfg.step_timeout / 10), stack_file=stack,
                                   dump_after_s=max(0.5, 0.75 * self.cfg.step_timeout))
                 self.ft.start()
             except Exception:

@@ -114,11 +114,11 @@ class Run:
         return None
 
 
-def launch(run_dir: Path, *, trainer_flags: list[str], nproc: int = 2, in_job: bool = True,
-           max_restarts: int = 2, report_url: str | None = None, attempt: int = 0, timeout_s: float = 240,
-           job_id: str = "job-1", token: str = "t0ken", env: dict[str, str] | None = None,
-           entrypoint: str | None = None, user_args: list[str] | None = None, report_interval: float = 0.2) -> Run:
-    """``trainer.launch`` of the built-in model, or of ``entrypoint`` (the user's code) with ``user_args``."""
+def launch_command(run_dir: Path, *, trainer_flags: list[str], nproc: int = 2, in_job: bool = True,
+                   max_restarts: int = 2, report_url: str | None = None, attempt: int = 0, job_id: str = "job-1",
+                   token: str = "t0ken", env: dict[str, str] | None = None, entrypoint: str | None = None,
+                   user_args: list[str] | None = None, report_interval: float = 0.2) -> tuple[list[str], dict[str, str]]:
+    """The command line and environment of ``launch`` (for a caller that runs it itself)."""
     port = free_port_block()
     cmd = [PYTHON, "-m", "trainer.launch", "--nnodes", "1", "--node-rank", "0", "--nproc-per-node", str(nproc),
            "--rdzv-endpoint", f"127.0.0.1:{port}", "--max-restarts", str(max_restarts),
@@ -131,8 +131,15 @@ def launch(run_dir: Path, *, trainer_flags: list[str], nproc: int = 2, in_job: b
         cmd += ["--report-url", report_url, "--report-interval", str(report_interval)]
     if entrypoint:
         cmd += ["--", *(user_args or [])]
+    return cmd, child_env(UNBROKEN_TOKEN=token, **(env or {}))
+
+
+def launch(run_dir: Path, *, timeout_s: float = 240, **kw: Any) -> Run:
+    """``trainer.launch`` of the built-in model, or of ``entrypoint`` (the user's code) with ``user_args``
+    (the keywords of ``launch_command``)."""
+    cmd, env = launch_command(run_dir, **kw)
     t0 = time.monotonic()
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=child_env(UNBROKEN_TOKEN=token, **(env or {})), stdout=subprocess.PIPE,
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         out, _ = proc.communicate(timeout=timeout_s)

@@ -149,3 +149,53 @@ def test_a_lock_left_held_blocks_other_threads_until_released():
         assert release_leaked_logging_locks() == 2
         assert _logs_within(logger, 2.0)
         assert release_leaked_logging_locks() == 0
+
+
+class _Timestamp:
+    manual = None
+
+
+class _Watchdog:
+    """Stands in for NVRx's ProgressWatchdog: its thread sends ``timestamp`` to the monitor process."""
+
+    def __init__(self):
+        self.timestamp = _Timestamp()
+
+
+class WatchedScope(Scope):
+    def __init__(self):
+        super().__init__()
+        self.progress_watchdog = _Watchdog()
+
+
+def test_progress_marks_write_the_time_of_the_loops_progress_for_nvrxs_watchdog_to_send():
+    from trainer.resilience import NoRestart, ProgressMark
+
+    mark, scope = ProgressMark(fallback_period_s=0.05), WatchedScope()
+    try:
+        mark.arm(scope)
+        before = time.monotonic()
+        mark.tick()
+        stamped = scope.progress_watchdog.timestamp.manual
+        assert stamped is not None and before <= stamped <= time.monotonic()
+        time.sleep(0.2)
+        assert scope.progress_watchdog.timestamp.manual == stamped  # no progress: the time stays
+        assert scope.pings == []  # nothing sent of ours: NVRx's watchdog thread sends the timestamp
+        mark.disarm()  # between attempts: the loop's progress marks nobody
+        mark.tick()
+        assert scope.progress_watchdog.timestamp.manual == stamped
+        scope.progress_watchdog.timestamp = _Timestamp()  # the Wrapper resets it for the next attempt
+        mark.arm(scope)
+        mark.tick()
+        assert scope.progress_watchdog.timestamp.manual > stamped
+
+        older = Scope()  # an NVRx whose CallWrapper has no progress watchdog: pinged from a thread
+        mark.arm(older)
+        mark.tick()
+        time.sleep(0.2)
+        assert len(older.pings) == 1
+        mark.disarm()
+        mark.arm(NoRestart())  # in-process restart off: nothing to mark, nothing sent
+        mark.tick()
+    finally:
+        mark.stop()
