@@ -183,7 +183,8 @@ class PacedFt(_Pacer):
         # starts a new one): the stacks are written between 7/8 of the delay and the delay after the last
         # heartbeat, still before ft_launcher's timeout.
         now = time.monotonic()
-        if self._stack_file is not None and not self._stop.is_set() and now - self._armed_at >= self._dump_after_s / 8:
+        due = now - self._armed_at >= self._dump_after_s / 8
+        if self._stack_file is not None and not self._stop.is_set() and due:
             self._armed_at = now
             self._stack_file.seek(0)
             self._stack_file.truncate()  # the file holds the latest hang's stacks only

@@ -444,7 +444,8 @@ def _apply_faults(job: Job, fault_events: list[Any], cycles: dict[str, RestartCy
         rows.append(Fault(job=job, cycle=cycle, fault_class=d["fault"], rank=rank, node=d.get("node") or "",
                           detected_by=(d.get("detected_by") or "trainer")[:40],
                           message=redact(d.get("message") or "")[:4096], at=fault_at, detected_at=at,
-                          progress_at=Fault.progress_before(job.pk, fault_at, last=progress), source_key=f"event:{e.id}"))
+                          progress_at=Fault.progress_before(job.pk, fault_at, last=progress),
+                          source_key=f"event:{e.id}"))
     if rows:
         Fault.objects.bulk_create(rows, ignore_conflicts=True)
 

@@ -354,7 +354,8 @@ class Fault(models.Model):
         return max(0.0, (self.detected_at - self.at).total_seconds())
 
     @staticmethod
-    def progress_before(job_id: int, at: datetime, *, last: datetime | None | bool = False) -> datetime | None:
+    def progress_before(job_id: int, at: datetime, *,
+                        last: datetime | None | bool = False) -> datetime | None:
         """``progress_at`` for a fault of ``job_id`` at ``at``: the job's last step progress (read now,
         or ``last`` when the caller has it), clipped to ``at``."""
         if last is False:

@@ -234,7 +234,8 @@ def _mark_job_stalled(job_id: int, ranks: list[int], now: datetime) -> int:
                 job=job, fault_class=FaultClass.STALLED, rank=r.rank, node=r.node, detected_by="watchdog",
                 message=f"rank {r.rank} is alive but has been at step {r.last_step} for "
                         f"{(now - since).total_seconds():.0f} s (phase {r.phase})",
-                at=since, detected_at=now, progress_at=Fault.progress_before(job.pk, since, last=job.last_progress_at),
+                at=since, detected_at=now,
+                progress_at=Fault.progress_before(job.pk, since, last=job.last_progress_at),
                 source_key=f"stalled:{r.rank}:{int(since.timestamp() * 1000)}"))
         Fault.objects.bulk_create(rows, ignore_conflicts=True)
         step = min(r.last_step for r in Rank.objects.filter(job_id=job_id, rank__in=claimed))

@@ -20,8 +20,9 @@
   the save was still being written in, which the product books to the checkpoint as its interference:
   ``make bench-checkpoint`` measures both), per pair; the figure is the median of the pairs. Each pair
   also gives the loop thread's CPU time a step with and without the SDK: the part of R that is work
-  on the loop's own thread, against waiting (for the interpreter lock, a core, the other rank). P = p99 of the time spent inside the SDK's per-step calls
-  (``ctx.step``, ``maybe_save`` on non-saving steps, ``wait_for_staging``) on the counted steps.
+  on the loop's own thread, against waiting (for the interpreter lock, a core, the other rank).
+  P = p99 of the time spent inside the SDK's per-step calls (``ctx.step``, ``maybe_save`` on non-saving
+  steps, ``wait_for_staging``) on the counted steps.
 - Level-0 detection: ``trainer/examples/plain_fsdp.py`` unmodified under the launcher with a SIGKILL
   drill on rank 1; D = the fault event's arrival at the ingest sink - the kill (median of ``--detects``
   runs). Both launches report every 1 s, the job spec's default heartbeat interval. The sink is a
@@ -118,7 +119,8 @@ def sliced(jobs: list[tuple[list[str], dict[str, str], Path]], *, window_s: floa
     """Run two jobs ((command, environment, log directory) each) time-sliced: one process tree frozen
     while the other runs, switching every ``window_s``. Returns each job's solo windows (monotonic)."""
     logs = [open(d / "run.log", "w") for _, _, d in jobs]  # noqa: SIM115
-    procs = [subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    procs = [subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                              start_new_session=True)
              for (cmd, env, _), log in zip(jobs, logs, strict=True)]
     windows: list[list[tuple[float, float]]] = [[], []]
     active = first
@@ -158,7 +160,8 @@ def sliced(jobs: list[tuple[list[str], dict[str, str], Path]], *, window_s: floa
             print(f"  note: a run failed at exit (rc {p.returncode}) after writing its step times; log "
                   f"{d / 'run.log'}", flush=True)
             continue
-        raise SystemExit(f"a time-sliced run failed (rc {p.returncode}):\n{(d / 'run.log').read_text()[-3000:]}")
+        log = (d / "run.log").read_text()[-3000:]
+        raise SystemExit(f"a time-sliced run failed (rc {p.returncode}):\n{log}")
     return windows
 
 
@@ -179,8 +182,8 @@ def sliced_pair(steps: int, recv: Receiver, *, window_s: float, model: str, plai
         sdk_dir, trainer_flags=["--in-process", "--steps", str(steps), "--ckpt-interval", "20"],
         report_url=recv.url, entrypoint=str(WORKLOAD), report_interval=1.0,
         user_args=["--steps", str(steps), "--out", str(sdk_dir / "times"), "--model", model])
-    windows = sliced([(plain_command(steps, plain_out, model), child_env(), plain_out), (sdk_cmd, sdk_env, sdk_dir)],
-                     window_s=window_s, first=PLAIN if plain_first else SDK)
+    jobs = [(plain_command(steps, plain_out, model), child_env(), plain_out), (sdk_cmd, sdk_env, sdk_dir)]
+    windows = sliced(jobs, window_s=window_s, first=PLAIN if plain_first else SDK)
     with recv.lock:
         faults = [e for b in recv.batches for e in b.get("events", []) if e["kind"] == "fault"]
     if faults:

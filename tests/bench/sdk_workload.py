@@ -108,8 +108,8 @@ def loop(a, rank, w: Workload, start, sdk) -> None:
         t_prev = now
     Path(a.out).mkdir(parents=True, exist_ok=True)
     (Path(a.out) / f"rank{rank}.json").write_text(json.dumps({
-        "step_s": step_s, "sdk_s": sdk_s, "saved": saved, "calls": calls, "end": ends, "cpu": cpu, "overlap": overlap, "async": sdk is not None,
-        "threads": torch.get_num_threads()}))
+        "step_s": step_s, "sdk_s": sdk_s, "saved": saved, "calls": calls, "end": ends, "cpu": cpu,
+        "overlap": overlap, "async": sdk is not None, "threads": torch.get_num_threads()}))
 
 
 @unbroken.entrypoint

@@ -115,9 +115,10 @@ class Run:
 
 
 def launch_command(run_dir: Path, *, trainer_flags: list[str], nproc: int = 2, in_job: bool = True,
-                   max_restarts: int = 2, report_url: str | None = None, attempt: int = 0, job_id: str = "job-1",
-                   token: str = "t0ken", env: dict[str, str] | None = None, entrypoint: str | None = None,
-                   user_args: list[str] | None = None, report_interval: float = 0.2) -> tuple[list[str], dict[str, str]]:
+                   max_restarts: int = 2, report_url: str | None = None, attempt: int = 0,
+                   job_id: str = "job-1", token: str = "t0ken", env: dict[str, str] | None = None,
+                   entrypoint: str | None = None, user_args: list[str] | None = None,
+                   report_interval: float = 0.2) -> tuple[list[str], dict[str, str]]:
     """The command line and environment of ``launch`` (for a caller that runs it itself)."""
     port = free_port_block()
     cmd = [PYTHON, "-m", "trainer.launch", "--nnodes", "1", "--node-rank", "0", "--nproc-per-node", str(nproc),
