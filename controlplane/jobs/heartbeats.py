@@ -91,10 +91,8 @@ class DbHeartbeatStore:
             return
         states = newest_per_rank(beats).values()
         upsert_ranks(job_id, states, timeouts, now=now)
-        # The first train beat from every beat of the batch; the top step still from each rank's newest.
-        # (Progress written in the ingest transaction is what a "without progress" policy rule reads at
-        # the watchdog's next pass; changing when it moves is a policy question: see controlplane/jobs/
-        # policy.py's trade-offs.)
+        # The first train beat from every beat of the batch; the top step still from each rank's newest
+        # (the Redis store takes it from every beat).
         first_train = first_train_at([b["at"] for b in beats], [b["phase"] for b in beats])
         update_job_progress(job_id, states, first_train=first_train)
 

@@ -433,8 +433,7 @@ def _close_escalated(job: Job, recovered: RestartCycle) -> None:
 
 def _apply_faults(job: Job, fault_events: list[Any], cycles: dict[str, RestartCycle]) -> None:
     rows = []
-    progress = Job.objects.filter(pk=job.pk).values_list("last_progress_at", flat=True).first() \
-        if fault_events else None
+    progress = Job.last_progress_of(job.pk) if fault_events else None  # read once a batch
     for e in fault_events:
         d = e.data
         cycle = cycles.get(d.get("cycle") or "")
@@ -444,7 +443,7 @@ def _apply_faults(job: Job, fault_events: list[Any], cycles: dict[str, RestartCy
         rows.append(Fault(job=job, cycle=cycle, fault_class=d["fault"], rank=rank, node=d.get("node") or "",
                           detected_by=(d.get("detected_by") or "trainer")[:40],
                           message=redact(d.get("message") or "")[:4096], at=fault_at, detected_at=at,
-                          progress_at=Fault.progress_before(job.pk, fault_at, last=progress),
+                          progress_at=Fault.clip_progress(progress, fault_at),
                           source_key=f"event:{e.id}"))
     if rows:
         Fault.objects.bulk_create(rows, ignore_conflicts=True)

@@ -108,6 +108,11 @@ class Job(models.Model):
         """rank -> the node its heartbeats named (ranks that named none are left out)."""
         return dict(self.ranks.exclude(node="").values_list("rank", "node"))
 
+    @staticmethod
+    def last_progress_of(job_id: int) -> datetime | None:
+        """``last_progress_at`` as the database has it now (the heartbeat stores move it with an UPDATE)."""
+        return Job.objects.filter(pk=job_id).values_list("last_progress_at", flat=True).first()
+
     def goodput(self, now: datetime | None = None) -> dict[str, float]:
         from controlplane.jobs.goodput import compute_goodput
 
@@ -354,12 +359,13 @@ class Fault(models.Model):
         return max(0.0, (self.detected_at - self.at).total_seconds())
 
     @staticmethod
-    def progress_before(job_id: int, at: datetime, *,
-                        last: datetime | None | bool = False) -> datetime | None:
-        """``progress_at`` for a fault of ``job_id`` at ``at``: the job's last step progress (read now,
-        or ``last`` when the caller has it), clipped to ``at``."""
-        if last is False:
-            last = Job.objects.filter(pk=job_id).values_list("last_progress_at", flat=True).first()
+    def progress_before(job_id: int, at: datetime) -> datetime | None:
+        """``progress_at`` for a fault of ``job_id`` at ``at``: the job's last step progress, read now."""
+        return Fault.clip_progress(Job.last_progress_of(job_id), at)
+
+    @staticmethod
+    def clip_progress(last: datetime | None, at: datetime) -> datetime | None:
+        """``progress_at`` from the job's last step progress ``last`` (already read): never after ``at``."""
         return None if last is None else min(last, at)
 
 

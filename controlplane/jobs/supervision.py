@@ -180,7 +180,7 @@ def _mark_job_lost(job: Job, ranks: list[int], now: datetime, store: hb_store.He
         # The row's own deadline must have passed too: a flush that wrote a newer beat meanwhile wins.
         claimed = set(_claim("lost_at", job.pk, lost, now, "lost_at IS NULL AND stale_at < %s"))
         faults = {}
-        progress = Job.objects.filter(pk=job.pk).values_list("last_progress_at", flat=True).first()
+        progress = Job.last_progress_of(job.pk)  # read once for every lost rank
         for rank in lost:
             r = views[rank]
             age = (now - r.last_heartbeat_at).total_seconds() if r.last_heartbeat_at else 0.0
@@ -191,7 +191,7 @@ def _mark_job_lost(job: Job, ranks: list[int], now: datetime, store: hb_store.He
                 message=f"no heartbeat from rank {rank} for {age:.1f} s (phase {r.phase}, "
                         f"deadline {r.stale_at.isoformat() if r.stale_at else '-'})",
                 at=r.last_heartbeat_at or now, detected_at=now, source_key=key,
-                progress_at=Fault.progress_before(job.pk, r.last_heartbeat_at or now, last=progress))
+                progress_at=Fault.clip_progress(progress, r.last_heartbeat_at or now))
         known = set(Fault.objects.filter(job=job, source_key__in=list(faults))
                     .values_list("source_key", flat=True))
         new = [f for k, f in faults.items() if k not in known]
@@ -235,7 +235,7 @@ def _mark_job_stalled(job_id: int, ranks: list[int], now: datetime) -> int:
                 message=f"rank {r.rank} is alive but has been at step {r.last_step} for "
                         f"{(now - since).total_seconds():.0f} s (phase {r.phase})",
                 at=since, detected_at=now,
-                progress_at=Fault.progress_before(job.pk, since, last=job.last_progress_at),
+                progress_at=Fault.clip_progress(job.last_progress_at, since),
                 source_key=f"stalled:{r.rank}:{int(since.timestamp() * 1000)}"))
         Fault.objects.bulk_create(rows, ignore_conflicts=True)
         step = min(r.last_step for r in Rank.objects.filter(job_id=job_id, rank__in=claimed))

@@ -66,7 +66,7 @@ MARGIN_S = 0.1  # after a job resumes, its timers that fell due while frozen fir
 PLAIN, SDK = 0, 1
 
 
-def _counted(out: Path, windows: list[tuple[float, float]] | None, cpu: list[float] | None = None,
+def _counted(out: Path, windows: list[tuple[float, float]], cpu: list[float] | None = None,
              ) -> tuple[list[float], list[float]]:
     """Step times and SDK call times of a run's counted steps: not warm-up, not a checkpoint step, and
     (``windows``: its job's solo windows) entirely inside one window. ``cpu``: gets the loop thread's
@@ -82,7 +82,7 @@ def _counted(out: Path, windows: list[tuple[float, float]] | None, cpu: list[flo
             # measures both).
             if i < SKIP_WARMUP or saved[i] or (i > 0 and saved[i - 1] and d.get("async")) or d["overlap"][i]:
                 continue
-            if windows is not None and not any(t_in + MARGIN_S <= end - s and end <= t_out
+            if not any(t_in + MARGIN_S <= end - s and end <= t_out
                                                for t_in, t_out in windows):
                 continue
             steps.append(s)
