@@ -249,6 +249,8 @@ def main() -> int:
     ap.add_argument("--redis-down-s", type=float, default=20.0)
     ap.add_argument("--job-timeout-s", type=float, default=900.0)
     args = ap.parse_args()
+    # `timeout` sends SIGTERM: unwind through the `finally` below, so serve and Redis are stopped.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
     db_url = os.environ.get("UNBROKEN_CHAOS_DATABASE_URL", DEFAULT_DB)
     tmp = Path(tempfile.mkdtemp(prefix="unbroken-chaos-"))

@@ -28,7 +28,7 @@ chain, ~2-5 ms) 1,000 times with no collection, then 1,000 times while another t
 thread's stack, redacts and JSON-encodes it every 10 ms; evidence_ms = p99(with) - p99(without), the
 median of 5 alternating pairs.
 
-    python tests/bench/bench_straggler.py [--runs 3] [--steps 240] [--slow-step 60]
+    python tests/bench/bench_straggler.py [--runs 3] [--steps 240] [--slow-step 60] [--case 15|30|both]
 
 Then (medians and percentiles by nearest rank, tests/bench/stats.py), one line per magnitude and::
 
@@ -43,6 +43,7 @@ from __future__ import annotations
 import argparse
 import os
 import secrets
+import signal
 import subprocess
 import sys
 import tempfile
@@ -219,15 +220,19 @@ def main() -> int:
     p.add_argument("--runs", type=int, default=3, help="slowed and clean runs per magnitude")
     p.add_argument("--steps", type=int, default=240)
     p.add_argument("--slow-step", type=int, default=60)
+    p.add_argument("--case", choices=("15", "30", "both"), default="both",
+                   help="the magnitudes run: 15 (15 %% slower, margin 10 %%), 30 (30 %%, margin 20 %%) or both")
     a = p.parse_args()
     if not 0 < a.slow_step < a.steps - 40:
         p.error("--slow-step must leave at least 40 steps after it (--steps)")
+    # `timeout` sends SIGTERM: unwind through the `finally` below, so serve and its children are stopped.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     ev_ms = evidence_ms()
     tmp = Path(tempfile.mkdtemp(prefix="bench-straggler-"))
     product = Product(tmp)
     detect, api_detect, fps, missed, lines = [], [], [], 0, []
     try:
-        for fraction, margin in CASES:
+        for fraction, margin in [c for c in CASES if a.case in ("both", f"{c[0] * 100:.0f}")]:
             case_detect = []
             for i in range(a.runs):
                 kw = {"steps": a.steps, "slow_step": a.slow_step, "fraction": fraction, "margin": margin}
