@@ -221,7 +221,7 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=240)
     p.add_argument("--slow-step", type=int, default=60)
     p.add_argument("--case", choices=("15", "30", "both"), default="both",
-                   help="the magnitudes run: 15 (15 %% slower, margin 10 %%), 30 (30 %%, margin 20 %%) or both")
+                   help="magnitudes: 15 (15 %% slower, margin 10 %%), 30 (30 %%, margin 20 %%) or both")
     a = p.parse_args()
     if not 0 < a.slow_step < a.steps - 40:
         p.error("--slow-step must leave at least 40 steps after it (--steps)")
