@@ -17,7 +17,23 @@ Every figure is printed with its spread (min..max over the pairs).
 a sync save's CPU, once burning CPU only and once copying memory: whether this machine's steps pay
 for a background save's CPU or for its memory traffic.
 
-Last line: sync_block_s=<X> async_block_s=<Y> block_ratio=<Y/X> efficiency=<E> async_total_s=<T> sync_total_s=<S>
+**GPU-shaped window (emulated device time).** Here two ranks fill both cores, so whatever an async save
+does comes out of the steps. On a GPU node a step is mostly device time, in which the host thread waits
+and its cores idle. So the same model state and saves run once more with each step's compute followed
+by a ``time.sleep`` (it releases the GIL) standing for device time, sized to the median CPU step
+measured here (``--device-share`` of the step, 0.5 by default: the ranks leave about half of the host's
+CPU idle; the idle cores measured are printed). ``--gpu-repeats`` triples of windows: no save, one async
+save, one sync save; ``gpu_shaped_async_total_s`` and ``gpu_shaped_sync_total_s`` are the medians of
+(window with the save - window without). No GPU is involved: the device time is emulated.
+
+Then (medians by nearest rank with min..max and n, tests/bench/stats.py)::
+
+    sync_block_s=<X> async_block_s=<Y> block_ratio=<Y/X> efficiency=<E> async_total_s=<T> sync_total_s=<S> \
+gpu_shaped_async_total_s=<GA> gpu_shaped_sync_total_s=<GS> gpu_shaped_ratio=<GA/GS> n=<N> n_gpu_shaped=<M>
+
+and the README row's targets, each met or MISSED (exit status 1 when one is): block_ratio <= 0.05,
+efficiency >= 0.98, async_total_s <= 0.5 x sync_total_s, and (emulated device time)
+gpu_shaped_async_total_s <= 0.3 x gpu_shaped_sync_total_s.
 """
 
 from __future__ import annotations
@@ -25,7 +41,6 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -34,6 +49,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+
+from tests.bench.stats import Target, median, verdict  # noqa: E402
 
 
 #: A control load (``--controls``): a process at idle CPU priority that burns ``seconds`` of CPU, either
@@ -58,7 +75,8 @@ while time.process_time() - t < seconds:
 """
 
 
-def worker(run_dir: str, repeats: int, window: int, controls: int) -> None:
+def worker(run_dir: str, repeats: int, window: int, controls: int, gpu_repeats: int,
+           device_share: float) -> None:
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -79,6 +97,7 @@ def worker(run_dir: str, repeats: int, window: int, controls: int) -> None:
     ck = Checkpointer(root=os.path.join(run_dir, "checkpoints"), mode=CheckpointMode.ASYNC, keep=2, pg=ckpt_pg,
                       report=lambda kind, data: events.append(data))
     step = 0
+    device_s = 0.0  # emulated device time per step (the GPU-shaped window sets it)
 
     def train_step() -> None:
         nonlocal step
@@ -88,6 +107,8 @@ def worker(run_dir: str, repeats: int, window: int, controls: int) -> None:
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
         loss.item()
         loss.backward()
+        if device_s:
+            time.sleep(device_s)  # emulated device time: the host thread waits, the GIL is free
         ck.maybe_wait_for_staging()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -120,6 +141,8 @@ def worker(run_dir: str, repeats: int, window: int, controls: int) -> None:
         sync_idle.append((_idle_s() - idle0) / sync_block[-1])  # idle cores of the machine meanwhile
         train_step()
 
+    if rank == 0:
+        print(f"sync saves done ({len(sync_block)})", flush=True)
     # Pairs: a window with no save, then a window with one async save, alternating.
     plain, with_save, async_block, async_interf = [], [], [], []
     for _ in range(repeats):
@@ -136,12 +159,39 @@ def worker(run_dir: str, repeats: int, window: int, controls: int) -> None:
             durable = [e for e in events[n_events:] if e["state"] == "durable"]
             async_block.append(durable[-1]["blocking_s"])
             async_interf.append(durable[-1].get("interference_s"))
+
+    # The GPU-shaped window (emulated device time): each step's compute is followed by a sleep of
+    # device_share / (1 - device_share) of its CPU time; triples of windows, no save / async / sync.
+    step_cpu = []
+    for _ in range(window):
+        c = time.thread_time()
+        train_step()
+        step_cpu.append(time.thread_time() - c)
+    if rank == 0:
+        print(f"async pairs done ({len(plain)})", flush=True)
+    device_s = median(step_cpu) * device_share / (1 - device_share)
+    dist.broadcast_object_list(box := [device_s], src=0)
+    device_s = box[0]  # the same on every rank, or the ranks would wait for each other instead
+    gpu_plain, gpu_async, gpu_sync, gpu_idle = [], [], [], []
+    for _ in range(gpu_repeats):
+        idle0, t0 = _idle_s(), time.perf_counter()
+        gpu_plain.append(plain_window())
+        gpu_idle.append((_idle_s() - idle0) / (time.perf_counter() - t0))
+        for mode, out in ((CheckpointMode.ASYNC, gpu_async), (CheckpointMode.SYNC, gpu_sync)):
+            dist.barrier()
+            t = time.perf_counter()
+            ck.save(state, step, mode=mode)
+            for _ in range(window):
+                train_step()
+            ck.wait()
+            out.append(time.perf_counter() - t - gpu_plain[-1])
+    gpu_device_s, device_s = device_s, 0.0
     ck.close()
 
     # Controls: windows without and with an idle-priority load on each rank as big as a sync save's CPU.
     control: dict[str, list[float]] = {"cpu": [], "copy": []}
     for kind in control if controls else ():
-        seconds = statistics.median(sync_cpu)
+        seconds = median(sync_cpu)
         for _ in range(controls):
             plain_s = plain_window()
             dist.barrier()
@@ -153,14 +203,14 @@ def worker(run_dir: str, repeats: int, window: int, controls: int) -> None:
             control[kind].append(time.perf_counter() - t - plain_s)
     if rank == 0:
         def spread(xs: list[float], nd: int = 4) -> str:
-            return f"median {statistics.median(xs):.{nd}f} (min {min(xs):.{nd}f}, max {max(xs):.{nd}f}, n={len(xs)})"
+            return f"median {median(xs):.{nd}f} (min {min(xs):.{nd}f}, max {max(xs):.{nd}f}, n={len(xs)})"
 
         state_mb = sum(os.path.getsize(os.path.join(d, f)) for d in [os.path.join(run_dir, "checkpoints",
                        sorted(os.listdir(os.path.join(run_dir, "checkpoints")))[-1])]
                        for f in os.listdir(d)) / 1e6
         ratios = [pl / ws for pl, ws in zip(plain, with_save)]
         deltas = [ws - pl for pl, ws in zip(plain, with_save)]
-        print(f"checkpoint size {state_mb:.0f} MB; step {statistics.median(plain) / window:.3f} s", flush=True)
+        print(f"checkpoint size {state_mb:.0f} MB; step {median(plain) / window:.3f} s", flush=True)
         print(f"sync blocking   {[round(x, 3) for x in sync_block]}", flush=True)
         print(f"async blocking  {[round(x, 4) for x in async_block]}", flush=True)
         print(f"{window} steps, no save      {[round(x, 2) for x in plain]}", flush=True)
@@ -169,7 +219,7 @@ def worker(run_dir: str, repeats: int, window: int, controls: int) -> None:
         # What async can hide is the save's waiting, not its CPU: with no idle core, the CPU a save
         # needs comes out of the steps whatever thread, process or priority runs it.
         print(f"sync save CPU s   {spread(sync_cpu)}  (rank 0, all its threads; CPU/wall "
-              f"{statistics.median(sync_cpu) / statistics.median(sync_block):.2f})", flush=True)
+              f"{median(sync_cpu) / median(sync_block):.2f})", flush=True)
         print(f"idle cores        {spread(sync_idle, 2)}  (machine-wide, during the sync saves; "
               f"{os.cpu_count()} cores)", flush=True)
         print(f"async block s     {spread(async_block)}", flush=True)
@@ -177,18 +227,35 @@ def worker(run_dir: str, repeats: int, window: int, controls: int) -> None:
         print(f"async total s     {spread(deltas)}  (window with save - window without)", flush=True)
         if all(x is not None for x in async_interf):
             print(f"reported interf s {spread(async_interf)}  (the trainer's own per-save figure)", flush=True)
-        s, a = statistics.median(sync_block), statistics.median(async_block)
+        s, a = median(sync_block), median(async_block)
         # Paired windows (adjacent in time) cancel most of the drift from other load on the machine.
-        eff = statistics.median(ratios)
-        total = statistics.median(deltas)
+        eff = median(ratios)
+        total = median(deltas)
         if controls:
-            print(f"idle-priority load of {statistics.median(sync_cpu):.3f} s CPU per rank (a sync save's), "
+            print(f"idle-priority load of {median(sync_cpu):.3f} s CPU per rank (a sync save's), "
                   "window with it - window without:", flush=True)
             print(f"  CPU only        {spread(control['cpu'])}", flush=True)
             print(f"  copying memory  {spread(control['copy'])}", flush=True)
+        ga, gs = median(gpu_async), median(gpu_sync)
+        print(f"GPU-shaped window (EMULATED device time: a {gpu_device_s * 1e3:.0f} ms sleep after each "
+              f"step's {median(step_cpu) * 1e3:.0f} ms of CPU compute, device share {device_share:.2f}; "
+              "no GPU):", flush=True)
+        print(f"  idle cores      {spread(gpu_idle, 2)}  (machine-wide, in the windows without a save; "
+              f"{os.cpu_count()} cores)", flush=True)
+        print(f"  {window} steps, no save {spread(gpu_plain)}", flush=True)
+        print(f"  async total s   {spread(gpu_async)}  (window with one async save - without)", flush=True)
+        print(f"  sync total s    {spread(gpu_sync)}  (window with one sync save - without)", flush=True)
         print(f"load average {os.getloadavg()}", flush=True)
+        figures = {"block_ratio": a / s, "efficiency": eff, "async_total_ratio": total / s,
+                   "gpu_shaped_ratio": ga / gs}
         print(f"sync_block_s={s:.4f} async_block_s={a:.4f} block_ratio={a / s:.4f} efficiency={eff:.4f} "
-              f"async_total_s={total:.4f} sync_total_s={s:.4f}", flush=True)
+              f"async_total_s={total:.4f} sync_total_s={s:.4f} gpu_shaped_async_total_s={ga:.4f} "
+              f"gpu_shaped_sync_total_s={gs:.4f} gpu_shaped_ratio={ga / gs:.4f} n={len(plain)} "
+              f"n_gpu_shaped={len(gpu_plain)} (gpu_shaped_*: emulated device time)", flush=True)
+        status = verdict(figures, [Target("block_ratio", "<=", 0.05), Target("efficiency", ">=", 0.98),
+                                   Target("async_total_ratio", "<=", 0.5),
+                                   Target("gpu_shaped_ratio", "<=", 0.3)])
+        Path(run_dir, "status").write_text(str(status))  # the parent's exit status, after torchrun's
     dist.barrier()
     dist.destroy_process_group()
 
@@ -210,20 +277,29 @@ def main() -> int:
     p.add_argument("--controls", type=int, default=0,
                    help="pairs of windows without/with an idle-priority control load "
                         "(CPU only, copying memory)")
+    p.add_argument("--gpu-repeats", type=int, default=7,
+                   help="triples of GPU-shaped windows (emulated device time): no save, async, sync save")
+    p.add_argument("--device-share", type=float, default=0.5,
+                   help="the share of a GPU-shaped step that is emulated device time (the host idle)")
     p.add_argument("--worker", action="store_true")
     p.add_argument("--run-dir", default=None)
     a = p.parse_args()
+    if not 0 <= a.device_share < 1:
+        p.error("--device-share must be in [0, 1)")
     if a.worker:
-        worker(a.run_dir, a.repeats, a.window, a.controls)
+        worker(a.run_dir, a.repeats, a.window, a.controls, a.gpu_repeats, a.device_share)
         return 0
     run_dir = tempfile.mkdtemp(prefix="bench-ckpt-")
     env = dict(os.environ, OMP_NUM_THREADS="1", TORCH_CPP_LOG_LEVEL="ERROR", PYTHONPATH=str(ROOT))
     try:
-        return subprocess.call([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                "--nproc-per-node", "2", __file__, "--worker", "--run-dir", run_dir,
-                                "--repeats", str(a.repeats), "--window", str(a.window),
-                                "--controls", str(a.controls)],
-                               env=env, cwd=ROOT)
+        rc = subprocess.call([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                              "--nproc-per-node", "2", __file__, "--worker", "--run-dir", run_dir,
+                              "--repeats", str(a.repeats), "--window", str(a.window),
+                              "--controls", str(a.controls), "--gpu-repeats", str(a.gpu_repeats),
+                              "--device-share", str(a.device_share)],
+                             env=env, cwd=ROOT)
+        status = Path(run_dir, "status")
+        return rc or (int(status.read_text()) if status.exists() else 1)
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
 

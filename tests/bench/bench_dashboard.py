@@ -18,8 +18,10 @@ faults, then measures:
    timeline, the rank-health part and the live cursor), printed on the line before the last as
    ``fleet ranks=<N> job_page_ms=<J> timeline_ms=<T> ranks_ms=<R> live_ms=<L> page_bytes=<B>``.
 
-The last line is exactly ``job_page_ms=<X> live_p95_s=<Y>``. Targets: <= 150 ms and <= 1 s; the
-fleet job's page (issue 9): <= 200 ms server time.
+Then ``job_page_ms=<X> live_p95_s=<Y> fleet_job_page_ms=<F> n_page=<N> n_live=<M>`` (medians and
+percentiles by nearest rank, tests/bench/stats.py), and the README row's targets beside them, each met
+or MISSED (exit status 1 when one is): job page <= 150 ms, live p95 <= 1 s, the fleet job's page
+(issue 9) <= 200 ms server time.
 """
 
 from __future__ import annotations
@@ -31,7 +33,6 @@ import os
 import random
 import shutil
 import signal
-import statistics
 import subprocess
 import sys
 import threading
@@ -43,6 +44,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+
+from tests.bench.stats import Target, median, percentile, verdict  # noqa: E402
 DATA_DIR = ROOT / "var" / "bench-dashboard"
 POLL_S = 0.5
 RANKS = 64
@@ -325,7 +328,7 @@ def measure_fleet(job, user, *, requests: int) -> dict:
             assert resp.status_code == 200, (url, resp.status_code)
             if i:
                 times.append((time.perf_counter() - t) * 1000)
-        out[key] = statistics.median(times)
+        out[key] = median(times)
         if key == "job_page_ms":
             size = len(resp.content)
         print(f"fleet {key}: " + " ".join(f"{x:.0f}" for x in times))
@@ -349,10 +352,10 @@ def measure_page(job, user, *, requests: int) -> tuple[float, list[float]]:
             times.append(dt)
             cpu.append(dp)
     print(
-        f"job page: {len(resp.content)} bytes; cpu ms median {statistics.median(cpu):.0f}; "
+        f"job page: {len(resp.content)} bytes; cpu ms median {median(cpu):.0f}; "
         f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores"
     )
-    return statistics.median(times), times
+    return median(times), times
 
 
 def wait_up(url: str, timeout_s: float = 30.0) -> None:
@@ -554,16 +557,18 @@ def measure_live(job, token: str, user, *, faults: int, app: str) -> list[float]
             os.killpg(server.pid, signal.SIGKILL)
 
 
-def run_fleet(user, args) -> None:
+def run_fleet(user, args) -> float:
     t = time.perf_counter()
     fleet = build_fleet_job(user, nodes=args.fleet_nodes)
     print(f"built fleet job #{fleet.pk}: {fleet.world_size} ranks in {time.perf_counter() - t:.1f} s")
     f = measure_fleet(fleet, user, requests=args.requests)
     print(f"fleet ranks={fleet.world_size} job_page_ms={f['job_page_ms']:.0f} timeline_ms={f['timeline_ms']:.0f} "
-          f"ranks_ms={f['ranks_ms']:.0f} live_ms={f['live_ms']:.0f} page_bytes={f['page_bytes']}")
+          f"ranks_ms={f['ranks_ms']:.0f} live_ms={f['live_ms']:.0f} page_bytes={f['page_bytes']} "
+          f"n={args.requests}")
+    return f["job_page_ms"]
 
 
-def main() -> None:
+def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--events", type=int, default=100_000)
     ap.add_argument("--checkpoints", type=int, default=2_000)
@@ -579,8 +584,9 @@ def main() -> None:
         from django.contrib.auth.models import User
 
         User.objects.filter(username="bench").delete()  # a DATABASE_URL kept from an earlier run has it
-        run_fleet(User.objects.create_user("bench", password="bench-password-123"), args)
-        return
+        fleet_ms = run_fleet(User.objects.create_user("bench", password="bench-password-123"), args)
+        print(f"fleet_job_page_ms={fleet_ms:.0f} n_page={args.requests}")
+        return verdict({"fleet_job_page_ms": fleet_ms}, [Target("fleet_job_page_ms", "<=", 200)])
     t = time.perf_counter()
     job, token, user = build_job(
         num_events=args.events, num_checkpoints=args.checkpoints, num_cycles=100, num_faults=150
@@ -592,12 +598,18 @@ def main() -> None:
     page_ms, times = measure_page(job, user, requests=args.requests)
     print("job page ms:", " ".join(f"{x:.0f}" for x in times))
     lat = sorted(measure_live(job, token, user, faults=args.faults, app=args.app))
-    p95 = lat[min(len(lat) - 1, int(round(0.95 * (len(lat) - 1))))]
-    print(f"live latency s: p50={statistics.median(lat):.3f} p95={p95:.3f} max={lat[-1]:.3f} (n={len(lat)})")
+    p95 = percentile(lat, 0.95)
+    print(f"live latency s: p50={median(lat):.3f} p95={p95:.3f} max={lat[-1]:.3f} (n={len(lat)})")
+    figures = {"job_page_ms": page_ms, "live_p95_s": p95}
+    targets = [Target("job_page_ms", "<=", 150), Target("live_p95_s", "<=", 1.0)]
     if args.fleet_nodes:
-        run_fleet(user, args)
-    print(f"job_page_ms={page_ms:.0f} live_p95_s={p95:.2f}")
+        figures["fleet_job_page_ms"] = run_fleet(user, args)
+        targets.append(Target("fleet_job_page_ms", "<=", 200))
+    print(f"job_page_ms={page_ms:.0f} live_p95_s={p95:.2f} "
+          f"fleet_job_page_ms={figures.get('fleet_job_page_ms', -1):.0f} "
+          f"n_page={len(times)} n_live={len(lat)}")
+    return verdict(figures, targets)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

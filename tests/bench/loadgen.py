@@ -24,6 +24,8 @@ import time
 from dataclasses import dataclass, field
 from urllib.parse import urlparse
 
+from stats import percentile
+
 
 @dataclass
 class LoadResult:
@@ -51,10 +53,7 @@ class LoadResult:
         return sorted(worst.items(), key=lambda kv: -kv[1])[:n]
 
     def pct(self, q: float) -> float:
-        if not self.latencies_s:
-            return float("nan")
-        xs = sorted(self.latencies_s)
-        return xs[min(len(xs) - 1, int(q * len(xs)))]
+        return percentile(self.latencies_s, q)  # nearest rank
 
 
 def render_group(ranks: range, *, node: str, skip: int | None = None) -> bytes:
