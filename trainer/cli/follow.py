@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from datetime import datetime
 from dataclasses import dataclass, field
 
 from rich.console import Console
@@ -49,7 +50,11 @@ def cycle_open_line(c: dict) -> str:
 
 
 def cycle_line(c: dict) -> str:
-    d = c["durations"]
+    d = dict(c["durations"])
+    marks = c["marks"]
+    if d.get("first_step") is None and d.get("reload") is None and marks.get("restarted_at") \
+            and marks.get("first_step_at"):  # no checkpoint load reported (Level 0): restart to first step
+        d["first_step"] = (_at(marks["first_step_at"]) - _at(marks["restarted_at"])).total_seconds()
     phases = ", ".join(f"{p.replace('_', ' ')} {d[p]:.1f} s" for p in PHASES if d.get(p) is not None)
     text = (f"[green]↻ restart ({LAYER_WORDS.get(c['layer'], c['layer'])})[/] recovered in "
             f"{c['recovery_s']:.1f} s")
@@ -58,10 +63,14 @@ def cycle_line(c: dict) -> str:
     if c.get("resumed_from_step") is not None:
         text += f"; resumed from step {c['resumed_from_step']}"
     if c.get("lost_steps"):
-        text += f", {c['lost_steps']} steps lost"
+        text += f", {c['lost_steps']} step{'s' if c['lost_steps'] != 1 else ''} lost"
     if c.get("escalated_to"):
         text += f"; escalated to {c['escalated_to']}"
     return text
+
+
+def _at(text: str) -> datetime:
+    return datetime.fromisoformat(text.replace("Z", "+00:00"))
 
 
 def checkpoint_line(c: dict) -> str:
@@ -97,7 +106,9 @@ class Follower:
         base = f"/jobs/{self.job_id}"
         job = self.client.get(base)
         if job["status"] != self._status:
-            reason = f": {escape(job['status_reason'])}" if job.get("status_reason") else ""
+            reason = job.get("status_reason") or ""
+            reason = reason.removeprefix(job["status"] + ": ")
+            reason = f": {escape(reason)}" if reason else ""
             self.console.print(f"[bold]job {self.job_id} {job['status']}[/]{reason}")
             self._status = job["status"]
         if self.show_log:
