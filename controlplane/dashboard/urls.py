@@ -1,6 +1,6 @@
 from django.urls import path
 
-from controlplane.dashboard import actions, assets, metrics, tokens, views
+from controlplane.dashboard import actions, assets, metrics, views
 
 app_name = "dashboard"
 urlpatterns = [
@@ -15,8 +15,6 @@ urlpatterns = [
     path("jobs/<int:job_id>/stop/", actions.job_stop, name="job_stop"),
     path("jobs/<int:job_id>/restart/", actions.job_restart, name="job_restart"),
     path("jobs/<int:job_id>/inject/", actions.job_inject, name="job_inject"),
-    path("account/tokens/", tokens.tokens, name="tokens"),
-    path("account/tokens/<int:token_id>/revoke/", tokens.token_revoke, name="token_revoke"),
     path("metrics", metrics.metrics, name="metrics"),
     path("assets/plotly-<str:version>.min.js", assets.plotly_js, name="plotly_js"),
 ]

@@ -1,4 +1,4 @@
-"""The user menu's "API tokens" page: list your tokens, mint one (shown once, on the answer to the POST,
+"""The user menu's "API tokens" page (``/account/tokens/``; here, beside the API the tokens are for): list your tokens, mint one (shown once, on the answer to the POST,
 never stored or redirected to), revoke one. Every account may mint its own: a viewer's token reads only."""
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ def tokens(request):
         row, minted = mint_api_token(user=request.user, name=name, requested_by=request.user,
                                      remote_addr=request.META.get("REMOTE_ADDR") or None)
         minted = {"row": row, "token": minted}
-    return render(request, "dashboard/tokens.html", {
+    return render(request, "account/tokens.html", {
         "tokens": ApiToken.objects.filter(user=request.user),
         "minted": minted,
         "operator": is_operator(request.user),
@@ -38,4 +38,4 @@ def token_revoke(request, token_id: int):
     token = get_object_or_404(ApiToken, pk=token_id, user=request.user)
     if revoke_api_token(token=token, requested_by=request.user, remote_addr=request.META.get("REMOTE_ADDR") or None):
         messages.success(request, f"Revoked {token.name} ({token.prefix}…): scripts that send it are refused now.")
-    return redirect("dashboard:tokens")
+    return redirect("account:tokens")
