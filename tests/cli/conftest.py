@@ -3,8 +3,12 @@ live test server, with a real API token."""
 
 from __future__ import annotations
 
+import fcntl
 import os
+import select
+import struct
 import subprocess
+import termios
 import sys
 from pathlib import Path
 
@@ -60,3 +64,25 @@ def validate(data, schema_name: str) -> None:
     doc = document()
     schema = {"$ref": f"#/components/schemas/{schema_name}", "components": doc["components"]}
     jsonschema.validate(data, schema, cls=jsonschema.Draft202012Validator, format_checker=jsonschema.FormatChecker())
+
+
+def in_pty(args: list[str], env: dict, cwd) -> tuple[subprocess.Popen, int]:
+    """The command under a pseudo-terminal of 160 x 40, as in a user's terminal: (its process, the master fd)."""
+    master, slave = os.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 160, 0, 0))
+    proc = subprocess.Popen([str(UNBROKEN), *args], stdin=slave, stdout=slave, stderr=slave, env=env, cwd=cwd,
+                            start_new_session=True, close_fds=True)
+    os.close(slave)
+    return proc, master
+
+
+def read_pty(master: int, into: bytearray) -> None:
+    """Append what the terminal shows now to ``into`` (without waiting)."""
+    while select.select([master], [], [], 0)[0]:
+        try:
+            chunk = os.read(master, 65536)
+        except OSError:  # EIO: the terminal's other end is closed
+            return
+        if not chunk:
+            return
+        into += chunk

@@ -5,14 +5,18 @@ commands, and the spec it builds from its flags."""
 from __future__ import annotations
 
 import json
+import os
+import re
+import signal
 import stat
+import time
 
 import pytest
 
 from controlplane.jobs import services
 from controlplane.jobs.models import AuditEntry, Command, Job
 from controlplane.jobs.spec import JobSpec
-from tests.cli.conftest import EXAMPLES, make_user, token_for, unbroken, validate
+from tests.cli.conftest import EXAMPLES, in_pty, make_user, read_pty, token_for, unbroken, validate
 
 pytestmark = pytest.mark.django_db(transaction=True)
 PLAIN = str(EXAMPLES / "plain_fsdp.py")
@@ -122,3 +126,35 @@ def test_it_builds_the_spec_the_forms_own_script_preset_builds(operator_env, tmp
     assert [(d.step, d.fault, d.rank) for d in spec.drills] == [(100, "sigkill", 1)]
     assert spec.in_process  # --level auto: the script is an SDK entrypoint (Level 2)
     assert job.name == "mine" and job.created_by.username == "op"
+
+
+def _wait_for_screen(proc, master, screen: bytearray, pattern: bytes, timeout_s: float = 30) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not re.search(pattern, screen):
+        assert time.monotonic() < deadline and proc.poll() is None, screen.decode(errors="replace")[-2000:]
+        read_pty(master, screen)
+        time.sleep(0.1)
+
+
+def test_it_asks_on_ctrl_c_whether_to_stop_or_detach(operator_env, tmp_path):
+    # No worker runs here, so the job stays launching: the watch only ends by the user's choice.
+    proc, master = in_pty(["run", "--steps", "50", PLAIN], {**operator_env, "TERM": "xterm"}, tmp_path)
+    screen = bytearray()
+    try:
+        _wait_for_screen(proc, master, screen, rb"job \d+ launching")
+        job = Job.objects.get()
+        proc.send_signal(signal.SIGINT)
+        _wait_for_screen(proc, master, screen, rb"Stop the job, detach")
+        os.write(master, b"stop\n")
+        _wait_for_screen(proc, master, screen, rb"stop requested \(command \d+")
+        assert Command.objects.filter(job=job, kind="stop", issued_by__username="op").exists()
+        proc.send_signal(signal.SIGINT)
+        _wait_for_screen(proc, master, screen, rb"(?s)stop requested.*Stop the job, detach")
+        os.write(master, b"detach\n")
+        assert proc.wait(timeout=30) == 0
+        read_pty(master, screen)
+        assert f"detached: job {job.pk} keeps running".encode() in screen
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        os.close(master)

@@ -4,47 +4,23 @@ and beat, two real ranks on gloo) with a SIGKILL drill, watched from a pseudo-te
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import re
-import select
-import struct
 import subprocess
-import termios
 import time
 from pathlib import Path
 
 import pytest
 
-from controlplane.jobs.models import Job, JobStatus
+from controlplane.jobs.models import Job
 from controlplane.launchers.local import LocalLauncher
 from controlplane.launchers.services import supervise_all
-from tests.cli.conftest import EXAMPLES, UNBROKEN, unbroken, validate
+from tests.cli.conftest import EXAMPLES, UNBROKEN, in_pty, read_pty, unbroken, validate
 
 pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts"
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|\r")
-
-
-def _in_pty(args: list[str], env: dict, cwd) -> tuple[subprocess.Popen, int]:
-    master, slave = os.openpty()
-    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 160, 0, 0))
-    proc = subprocess.Popen([str(UNBROKEN), *args], stdin=slave, stdout=slave, stderr=slave, env=env, cwd=cwd,
-                            start_new_session=True, close_fds=True)
-    os.close(slave)
-    return proc, master
-
-
-def _read(master: int, into: bytearray) -> None:
-    while select.select([master], [], [], 0)[0]:
-        try:
-            chunk = os.read(master, 65536)
-        except OSError:  # EIO: the terminal's other end is closed
-            return
-        if not chunk:
-            return
-        into += chunk
 
 
 def test_it_runs_the_level0_example_through_a_sigkill_and_shows_it(operator_env, e2e_settings, celery_beat_thread,
@@ -53,7 +29,7 @@ def test_it_runs_the_level0_example_through_a_sigkill_and_shows_it(operator_env,
     args = ["run", "--nproc-per-node", "2", "--steps", "200", "--drill", "60:sigkill:1",
             "--set", "step_timeout_s=5", "--set", "heartbeat_interval_s=0.5", "--set", "stall_timeout_s=60",
             "--wait", str(EXAMPLES / "plain_fsdp.py"), "--", "--steps", "200"]
-    proc, master = _in_pty(args, env, tmp_path)
+    proc, master = in_pty(args, env, tmp_path)
     screen = bytearray()
     follower = None
     job = None
@@ -61,13 +37,13 @@ def test_it_runs_the_level0_example_through_a_sigkill_and_shows_it(operator_env,
         deadline = time.monotonic() + 300
         while proc.poll() is None and time.monotonic() < deadline:
             supervise_all()  # beat does this too; here it keeps pace with the test's polls
-            _read(master, screen)
+            read_pty(master, screen)
             if follower is None and (m := re.search(rb"Job (\d+): http", screen)):
                 job = Job.objects.get(pk=int(m.group(1)))
                 follower = subprocess.Popen([str(UNBROKEN), "logs", "-f", str(job.pk)], env=operator_env,
                                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             time.sleep(0.5)
-        _read(master, screen)
+        read_pty(master, screen)
         text = ANSI.sub("", screen.decode(errors="replace"))
         ARTIFACTS.mkdir(exist_ok=True)
         (ARTIFACTS / "cli-run-pty.txt").write_bytes(bytes(screen))  # the raw terminal session (cat it)
