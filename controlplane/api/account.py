@@ -1,5 +1,6 @@
-"""The user menu's "API tokens" page (``/account/tokens/``; here, beside the API the tokens are for): list your tokens, mint one (shown once, on the answer to the POST,
-never stored or redirected to), revoke one. Every account may mint its own: a viewer's token reads only."""
+"""The user menu's "API tokens" page (``/account/tokens/``; here, beside the API the tokens are for): list
+your tokens, mint one (shown once, on the answer to the POST, never stored or redirected to), revoke one.
+Every account may mint its own: a viewer's token reads only."""
 
 from __future__ import annotations
 
@@ -36,6 +37,8 @@ def tokens(request):
 @require_POST
 def token_revoke(request, token_id: int):
     token = get_object_or_404(ApiToken, pk=token_id, user=request.user)
-    if revoke_api_token(token=token, requested_by=request.user, remote_addr=request.META.get("REMOTE_ADDR") or None):
-        messages.success(request, f"Revoked {token.name} ({token.prefix}…): scripts that send it are refused now.")
+    addr = request.META.get("REMOTE_ADDR") or None
+    if revoke_api_token(token=token, requested_by=request.user, remote_addr=addr):
+        messages.success(request, f"Revoked {token.name} ({token.prefix}…): scripts that send it are refused "
+                                  "now.")
     return redirect("account:tokens")

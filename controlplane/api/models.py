@@ -64,7 +64,8 @@ class ApiToken(models.Model):
     def mint(cls, *, user, name: str) -> tuple[ApiToken, str]:
         """A new token for ``user``: the stored row and the token itself (shown once, never stored)."""
         token = PREFIX + secrets.token_urlsafe(32)
-        row = cls.objects.create(user=user, name=name[:100] or "token", prefix=token[:12], digest=digest_of(token))
+        row = cls.objects.create(user=user, name=name[:100] or "token", prefix=token[:12],
+                                 digest=digest_of(token))
         return row, token
 
     @property

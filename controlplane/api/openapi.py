@@ -145,8 +145,9 @@ def document() -> dict:
             "schemas": components,
             "securitySchemes": {
                 "token": {"type": "http", "scheme": "bearer",
-                          "description": "a per-user API token (the user menu's API tokens page, or manage.py "
-                                         "create_api_token USERNAME); it acts with its user's role"},
+                          "description": "a per-user API token (the user menu's API tokens page, or "
+                                         "manage.py create_api_token USERNAME); it acts with its user's "
+                                         "role"},
                 "basic": {"type": "http", "scheme": "basic", "description": "an Unbroken account (use TLS)"},
                 "session": {"type": "apiKey", "in": "cookie", "name": "sessionid",
                             "description": "the browser session; writes also need X-CSRFToken"},

@@ -14,7 +14,8 @@ def mint_api_token(*, user, name: str, requested_by, remote_addr: str | None = N
     with transaction.atomic():
         row, token = ApiToken.mint(user=user, name=name)
         record_audit(actor=requested_by, action="api_token.create", remote_addr=remote_addr,
-                     detail={"token": row.pk, "name": row.name, "prefix": row.prefix, "user": user.get_username()})
+                     detail={"token": row.pk, "name": row.name, "prefix": row.prefix,
+                             "user": user.get_username()})
     return row, token
 
 

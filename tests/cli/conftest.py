@@ -8,8 +8,8 @@ import os
 import select
 import struct
 import subprocess
-import termios
 import sys
+import termios
 from pathlib import Path
 
 import jsonschema
@@ -48,7 +48,8 @@ def token_for(user) -> str:
 
 @pytest.fixture()
 def operator_env(cli_env, live_server):
-    return {**cli_env, "UNBROKEN_URL": live_server.url, "UNBROKEN_API_TOKEN": token_for(make_user("op", operator=True))}
+    token = token_for(make_user("op", operator=True))
+    return {**cli_env, "UNBROKEN_URL": live_server.url, "UNBROKEN_API_TOKEN": token}
 
 
 def unbroken(env: dict, *args: str, input: str | None = None, timeout: float = 60,
@@ -63,11 +64,12 @@ def validate(data, schema_name: str) -> None:
 
     doc = document()
     schema = {"$ref": f"#/components/schemas/{schema_name}", "components": doc["components"]}
-    jsonschema.validate(data, schema, cls=jsonschema.Draft202012Validator, format_checker=jsonschema.FormatChecker())
+    jsonschema.validate(data, schema, cls=jsonschema.Draft202012Validator,
+                        format_checker=jsonschema.FormatChecker())
 
 
 def in_pty(args: list[str], env: dict, cwd) -> tuple[subprocess.Popen, int]:
-    """The command under a pseudo-terminal of 160 x 40, as in a user's terminal: (its process, the master fd)."""
+    """The command under a 160 x 40 pseudo-terminal, as in a user's terminal: (its process, the master fd)."""
     master, slave = os.openpty()
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 160, 0, 0))
     proc = subprocess.Popen([str(UNBROKEN), *args], stdin=slave, stdout=slave, stderr=slave, env=env, cwd=cwd,

@@ -30,7 +30,8 @@ def test_it_names_the_refused_field_and_its_flag(operator_env):
     assert out.returncode == 2, out
     assert "procs_per_node (--nproc-per-node): must be at least 1" in out.stderr
     out = unbroken(operator_env, "run", "--set", "stall_timeout_s=\"soon\"", PLAIN)
-    assert out.returncode == 2 and "stall_timeout_s (--set stall_timeout_s=...): must be a number" in out.stderr
+    assert out.returncode == 2
+    assert "stall_timeout_s (--set stall_timeout_s=...): must be a number" in out.stderr
     assert Job.objects.count() == 0
 
 
@@ -61,7 +62,8 @@ def test_it_says_how_to_log_in(cli_env):
 
 def test_it_refuses_a_viewers_token_an_action(cli_env, live_server):
     job = services.create_job(name="j", spec=JobSpec(steps=50), created_by=None, launch=False)
-    env = {**cli_env, "UNBROKEN_URL": live_server.url, "UNBROKEN_API_TOKEN": token_for(make_user("v", operator=False))}
+    token = token_for(make_user("v", operator=False))
+    env = {**cli_env, "UNBROKEN_URL": live_server.url, "UNBROKEN_API_TOKEN": token}
     assert unbroken(env, "ls").returncode == 0
     out = unbroken(env, "stop", str(job.pk))
     assert out.returncode == 3 and "only operators" in out.stderr

@@ -23,8 +23,8 @@ ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts"
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|\r")
 
 
-def test_it_runs_the_level0_example_through_a_sigkill_and_shows_it(operator_env, e2e_settings, celery_beat_thread,
-                                                                     tmp_path):
+def test_it_runs_the_level0_example_through_a_sigkill_and_shows_it(operator_env, e2e_settings,
+                                                                     celery_beat_thread, tmp_path):
     env = {**operator_env, "TERM": "xterm-256color"}
     args = ["run", "--nproc-per-node", "2", "--steps", "200", "--drill", "60:sigkill:1",
             "--set", "step_timeout_s=5", "--set", "heartbeat_interval_s=0.5", "--set", "stall_timeout_s=60",
@@ -57,7 +57,8 @@ def test_it_runs_the_level0_example_through_a_sigkill_and_shows_it(operator_env,
             LocalLauncher().stop(job, grace_s=2.0)
 
     # The URL first, then what happened as it happened: the fault, the in-job cycle with its phases, the end.
-    assert text.lstrip().startswith(f"Job {job.pk}: {operator_env['UNBROKEN_URL']}/jobs/{job.pk}/"), text[:300]
+    url = f"{operator_env['UNBROKEN_URL']}/jobs/{job.pk}/"
+    assert text.lstrip().startswith(f"Job {job.pk}: {url}"), text[:300]
     assert re.search(r"✗ fault \d+: process_killed on rank 1", text), text[-4000:]
     cycle = re.search(r"↻ restart \(in-job\) recovered in [\d.]+ s \(detect [\d.]+ s, abort [\d.]+ s, "
                       r"restart [\d.]+ s, first step [\d.]+ s\); resumed from step \d+", text)

@@ -27,19 +27,20 @@ def test_it_puts_the_command_in_the_sdks_wheel(tmp_path):
 def test_it_keeps_the_sdk_free_of_the_commands_libraries():
     code = ("import sys, unbroken, trainer.launch; "
             "print(sorted(m for m in ('click', 'rich', 'httpx2', 'django') if m in sys.modules))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         check=True)
     assert out.stdout.strip() == "[]"
 
 
 def test_it_completes_commands_in_the_shell():
-    script = subprocess.run([str(UNBROKEN)], env={"_UNBROKEN_COMPLETE": "bash_source", "PATH": "/usr/bin:/bin"},
-                            capture_output=True, text=True, timeout=60)
-    assert "complete -o nosort -F _unbroken_completion unbroken" in script.stdout
-    words = subprocess.run([str(UNBROKEN)], env={"_UNBROKEN_COMPLETE": "bash_complete", "COMP_WORDS": "unbroken re",
-                                                 "COMP_CWORD": "1", "PATH": "/usr/bin:/bin"},
-                           capture_output=True, text=True, timeout=60)
-    assert "plain,restart" in words.stdout
-    levels = subprocess.run([str(UNBROKEN)], env={"_UNBROKEN_COMPLETE": "bash_complete", "PATH": "/usr/bin:/bin",
-                                                  "COMP_WORDS": "unbroken restart 3 --level ", "COMP_CWORD": "4"},
-                            capture_output=True, text=True, timeout=60)
-    assert levels.stdout.split() == ["plain,in_process", "plain,in_job", "plain,job"]
+    def complete(**env: str) -> str:
+        return subprocess.run([str(UNBROKEN)], env={"PATH": "/usr/bin:/bin", **env}, capture_output=True,
+                              text=True, timeout=60).stdout
+
+    script = complete(_UNBROKEN_COMPLETE="bash_source")
+    assert "complete -o nosort -F _unbroken_completion unbroken" in script
+    words = complete(_UNBROKEN_COMPLETE="bash_complete", COMP_WORDS="unbroken re", COMP_CWORD="1")
+    assert "plain,restart" in words
+    levels = complete(_UNBROKEN_COMPLETE="bash_complete", COMP_WORDS="unbroken restart 3 --level ",
+                      COMP_CWORD="4")
+    assert levels.split() == ["plain,in_process", "plain,in_job", "plain,job"]

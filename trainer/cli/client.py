@@ -75,8 +75,8 @@ class Client:
         if r.status_code == 401:
             raise ApiError(message, exit_code=EXIT_AUTH, status=401, body=body)
         if r.status_code == 403:
-            raise ApiError(f"refused: {message} (your token carries your account's role)", exit_code=EXIT_AUTH,
-                           status=403, body=body)
+            raise ApiError(f"refused: {message} (your token carries your account's role)",
+                           exit_code=EXIT_AUTH,                           status=403, body=body)
         if r.status_code in (400, 404, 409, 413, 422):
             raise ApiError(message, exit_code=EXIT_INPUT, status=r.status_code, body=body)
         raise ApiError(f"the server failed ({r.status_code}): {message}", status=r.status_code, body=body)

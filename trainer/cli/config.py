@@ -1,4 +1,5 @@
-"""Where the command line finds its server and token: the environment first, then ``unbroken login``'s file."""
+"""Where the command line finds its server and token: the environment first, then the file that
+``unbroken login`` writes."""
 
 from __future__ import annotations
 
@@ -32,7 +33,8 @@ def config_path() -> Path:
 def normalise_url(url: str) -> str:
     url = url.strip().rstrip("/")
     if not url.startswith(("http://", "https://")):
-        raise click.BadParameter(f"{url!r}: give the server's address with its scheme, e.g. https://unbroken.example")
+        raise click.BadParameter(f"{url!r}: give the server's address with its scheme, e.g. "
+                                 "https://unbroken.example")
     return url
 
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from datetime import datetime
 from dataclasses import dataclass, field
+from datetime import datetime
 
 from rich.console import Console
 from rich.markup import escape
@@ -46,7 +46,8 @@ def fault_line(f: dict) -> str:
 
 
 def cycle_open_line(c: dict) -> str:
-    return f"[yellow]↻ restart ({LAYER_WORDS.get(c['layer'], c['layer'])})[/] begins: {escape(c['reason'] or '')}"
+    layer = LAYER_WORDS.get(c["layer"], c["layer"])
+    return f"[yellow]↻ restart ({layer})[/] begins: {escape(c['reason'] or '')}"
 
 
 def cycle_line(c: dict) -> str:
@@ -99,6 +100,7 @@ class Follower:
     _sample_after: int | None = None
     _log_seen: str | None = None
     _log_why_shown: bool = False
+    away_since: float | None = None  # when the server stopped answering (the follow waits it out)
     loss: float | None = None
     _rate: deque = field(default_factory=lambda: deque(maxlen=20))  # (monotonic time, step)
 
@@ -112,7 +114,7 @@ class Follower:
             self.console.print(f"[bold]job {self.job_id} {job['status']}[/]{reason}")
             self._status = job["status"]
         if self.show_log:
-            self._log(self.client.get(base + "/log"))
+            self.print_log(self.client.get(base + "/log"))
         for f in self._page(base + "/faults", "faults", "_fault_after"):
             self.console.print(fault_line(f))
         for c in self.client.all(base + "/cycles", "cycles"):
@@ -155,7 +157,8 @@ class Follower:
             self.console.print(checkpoint_line(c))
             self._ckpt_after = c["id"]
 
-    def _log(self, log: dict) -> None:
+    def print_log(self, log: dict) -> None:
+        """Print the lines of ``log`` (the API's Log) not printed before."""
         text = log.get("text")
         if text is None:
             if log.get("why") and not self._log_why_shown:
@@ -180,13 +183,6 @@ class Bar:
         self._task = None
 
     def __enter__(self) -> Bar:
-        if self.console.is_terminal:
-            self._progress = Progress(
-                TextColumn("[bold]step {task.completed:.0f}/{task.total:.0f}"), BarColumn(),
-                TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[rate]} steps/s"),
-                TimeElapsedColumn(), console=self.console, transient=False, refresh_per_second=4)
-            self._progress.__enter__()
-            self._task = self._progress.add_task("train", total=1, loss="–", rate="–")
         return self
 
     def __exit__(self, *exc) -> None:
@@ -200,8 +196,16 @@ class Bar:
     def update(self, *, step: int, steps: int, loss: float | None, rate: float | None) -> None:
         loss_s = f"{loss:.4g}" if loss is not None else "–"
         rate_s = f"{rate:.2f}" if rate is not None else "–"
+        if self._progress is None and self.console.is_terminal:  # drawn from the first figures on
+            self._progress = Progress(
+                TextColumn("[bold]step {task.completed:.0f}/{task.total:.0f}"), BarColumn(),
+                TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[rate]} steps/s"),
+                TimeElapsedColumn(), console=self.console, transient=False, refresh_per_second=4)
+            self._progress.__enter__()
+            self._task = self._progress.add_task("train", total=max(steps, step, 1), loss=loss_s, rate=rate_s)
         if self._progress is not None:
-            self._progress.update(self._task, completed=step, total=max(steps, step, 1), loss=loss_s, rate=rate_s)
+            self._progress.update(self._task, completed=step, total=max(steps, step, 1), loss=loss_s,
+                                  rate=rate_s)
         elif time.monotonic() - self._last_line >= self.every_s:
             self._last_line = time.monotonic()
             self.console.print(f"step {step}/{steps} loss {loss_s} {rate_s} steps/s", highlight=False)

@@ -117,7 +117,8 @@ def test_it_revokes_only_ones_own_token_and_audits_it(client, operator, viewer):
     mine.refresh_from_db()
     theirs.refresh_from_db()
     assert mine.revoked and not theirs.revoked
-    assert AuditEntry.objects.filter(action="api_token.revoke", actor=operator, detail__token=mine.pk).exists()
+    assert AuditEntry.objects.filter(action="api_token.revoke", actor=operator,
+                                     detail__token=mine.pk).exists()
     assert "revoked" in client.get("/account/tokens/").content.decode()
 
 

@@ -12,12 +12,14 @@ class Command(BaseCommand):
 
     def add_arguments(self, parser):
         parser.add_argument("username")
-        parser.add_argument("--name", default="command line", help="what the token is for (shown in its list)")
+        parser.add_argument("--name", default="command line",
+                            help="what the token is for (shown in its list)")
 
     def handle(self, *args, username: str, name: str, **options):
         user = get_user_model().objects.filter(username=username).first()
         if user is None:
-            raise CommandError(f"no user {username!r}: create it first (manage.py ensure_operator or the admin)")
+            raise CommandError(f"no user {username!r}: create it first (manage.py ensure_operator or the "
+                               "admin)")
         if not user.is_active:
             raise CommandError(f"user {username!r} is inactive: its tokens would be refused")
         row, token = mint_api_token(user=user, name=name, requested_by=None)
