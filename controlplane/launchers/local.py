@@ -13,6 +13,7 @@ monitor double-forks outside the tree), so nothing is left behind.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import signal
 import subprocess
@@ -50,7 +51,11 @@ def _free_port_block() -> int:
 
 
 def launch_tag(job: Job) -> str:
-    return f"job{job.pk}-a{job.attempt}"
+    """The tag in the environment of every process of one attempt (how stop finds escapees). It names this
+    control plane's data directory too: another control plane on the machine (a second install, a neighbour's
+    test run) has a job with the same number, and its stop must not signal this one's processes."""
+    home = hashlib.sha256(str(Path(settings.DATA_DIR).resolve()).encode()).hexdigest()[:8]
+    return f"job{job.pk}-a{job.attempt}-{home}"
 
 
 class LocalLauncher:
