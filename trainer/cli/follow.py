@@ -35,6 +35,12 @@ def new_text(seen: str | None, text: str) -> str:
     return text[at + len(anchor):] if at >= 0 else text  # the window moved past all we had: print it all
 
 
+def _first_line(text: str | None, limit: int = 200) -> str:
+    """A reason's first line (reasons can carry a whole traceback: the job page and the API have it)."""
+    lines = (text or "").strip().splitlines()
+    return lines[0][:limit] if lines else ""
+
+
 def fault_line(f: dict) -> str:
     where = f"rank {f['rank']}" if f.get("rank") is not None else "the job"
     if f.get("node"):
@@ -47,7 +53,7 @@ def fault_line(f: dict) -> str:
 
 def cycle_open_line(c: dict) -> str:
     layer = LAYER_WORDS.get(c["layer"], c["layer"])
-    return f"[yellow]↻ restart ({layer})[/] begins: {escape(c['reason'] or '')}"
+    return f"[yellow]↻ restart ({layer})[/] begins: {escape(_first_line(c['reason']))}"
 
 
 def cycle_line(c: dict) -> str:
@@ -108,8 +114,7 @@ class Follower:
         base = f"/jobs/{self.job_id}"
         job = self.client.get(base)
         if job["status"] != self._status:
-            reason = job.get("status_reason") or ""
-            reason = reason.removeprefix(job["status"] + ": ")
+            reason = _first_line(job.get("status_reason")).removeprefix(job["status"] + ": ")
             reason = f": {escape(reason)}" if reason else ""
             self.console.print(f"[bold]job {self.job_id} {job['status']}[/]{reason}")
             self._status = job["status"]

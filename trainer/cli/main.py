@@ -295,7 +295,7 @@ def _outcome(job: dict) -> int:
     if job["status"] == "succeeded":
         console.print(f"[bold green]job {job['id']} succeeded[/] at step {job['last_step']}")
         return 0
-    reason = job.get("status_reason") or "no reason recorded"
+    reason = job.get("status_reason") or "no reason recorded"  # all of it: CI logs keep the traceback
     err.print(f"[bold red]job {job['id']} {job['status']}[/]: {escape(reason)}")
     return EXIT_JOB_FAILED
 
