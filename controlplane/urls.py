@@ -8,5 +8,6 @@ urlpatterns = [
     path("logout/", auth_views.LogoutView.as_view(), name="logout"),
     path("api/v1/", include("controlplane.ingest.urls")),
     path("api/v1/", include("controlplane.api.urls")),
+    path("account/", include("controlplane.api.account_urls")),
     path("", include("controlplane.dashboard.urls")),
 ]

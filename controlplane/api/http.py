@@ -1,7 +1,8 @@
 """What every operator API view does first: authenticate, authorise, parse; and how it answers.
 
-Authentication is HTTP Basic against the user database (use TLS), or the browser session (then
-CSRF applies to writes as for any form). Reading needs any active account; acting needs an operator.
+Authentication is a per-user API token (``Authorization: Bearer ubk_...``, ``controlplane.api.models``),
+HTTP Basic against the user database (use TLS), or the browser session (then CSRF applies to writes as
+for any form). A token carries its user's role. Reading needs any active account; acting needs an operator.
 Errors are JSON (``schema.Error``) with the status codes the OpenAPI document declares.
 """
 
@@ -18,6 +19,7 @@ from django.contrib.auth import authenticate
 from django.http import HttpRequest, HttpResponse
 
 from controlplane.api import schema
+from controlplane.api.models import ApiToken
 from controlplane.jobs.models import Job
 from controlplane.jobs.roles import is_operator
 
@@ -45,6 +47,8 @@ def error(status: int, message: str, **extra) -> HttpResponse:
 
 def _user(request: HttpRequest):
     auth = request.headers.get("Authorization", "")
+    if auth.startswith("Bearer "):
+        return ApiToken.objects.user_for(auth[7:].strip())
     if auth.startswith("Basic "):
         try:
             username, _, password = base64.b64decode(auth[6:], validate=True).decode().partition(":")
@@ -58,14 +62,20 @@ def _user(request: HttpRequest):
 
 def authorise(request: HttpRequest, *, act: bool):
     """The requesting user; raises Refused (401 without valid credentials, 403 for a write without the
-    CSRF token of a session or from a non-operator)."""
-    via_basic = request.headers.get("Authorization", "").startswith("Basic ")
+    CSRF token of a session or from a non-operator: a viewer's API token cannot act either)."""
+    scheme = request.headers.get("Authorization", "").partition(" ")[0]
     user = _user(request)
+    if user is None and scheme == "Bearer":
+        raise Refused(401, "the API token was refused: it is unknown or revoked, or its user is inactive; "
+                           "mint a new one on your token page or with manage.py create_api_token",
+                      headers={"WWW-Authenticate": 'Bearer realm="unbroken"'})
     if user is None:
-        raise Refused(401, "log in: send HTTP Basic credentials of an Unbroken account",
+        raise Refused(401, "log in: send an API token (Authorization: Bearer) or HTTP Basic credentials "
+                           "of an Unbroken account",
                       headers={"WWW-Authenticate": 'Basic realm="unbroken"'})
-    if act and not via_basic:
-        # Session-authenticated writes need the CSRF token like any form post.
+    if act and scheme not in ("Basic", "Bearer"):
+        # Session-authenticated writes need the CSRF token like any form post (a header cannot be forged
+        # cross-site, so token and Basic requests need none).
         from django.middleware.csrf import CsrfViewMiddleware
 
         reason = CsrfViewMiddleware(lambda r: None).process_view(request, None, (), {})

@@ -68,7 +68,8 @@ ROUTES = (
 
 ERRORS = {
     400: "The body is not a JSON object.",
-    401: "No valid credentials: send HTTP Basic credentials of an Unbroken account (or a session cookie).",
+    401: "No valid credentials: send an API token (Authorization: Bearer), HTTP Basic credentials of an "
+         "Unbroken account, or a session cookie.",
     403: "Not an operator, or a session write without its CSRF token.",
     404: "No such job (or no such fault of it).",
     405: "Another method: the Allow header lists the ones this path takes.",
@@ -143,12 +144,16 @@ def document() -> dict:
         "components": {
             "schemas": components,
             "securitySchemes": {
+                "token": {"type": "http", "scheme": "bearer",
+                          "description": "a per-user API token (the user menu's API tokens page, or "
+                                         "manage.py create_api_token USERNAME); it acts with its user's "
+                                         "role"},
                 "basic": {"type": "http", "scheme": "basic", "description": "an Unbroken account (use TLS)"},
                 "session": {"type": "apiKey", "in": "cookie", "name": "sessionid",
                             "description": "the browser session; writes also need X-CSRFToken"},
             },
         },
-        "security": [{"basic": []}, {"session": []}],
+        "security": [{"token": []}, {"basic": []}, {"session": []}],
     }
 
 

@@ -13,6 +13,7 @@ monitor double-forks outside the tree), so nothing is left behind.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import signal
 import subprocess
@@ -50,7 +51,11 @@ def _free_port_block() -> int:
 
 
 def launch_tag(job: Job) -> str:
-    return f"job{job.pk}-a{job.attempt}"
+    """The tag in the environment of every process of one attempt (how stop finds escapees). It names this
+    control plane's data directory too: another control plane on the machine (a second install, a neighbour's
+    test run) has a job with the same number, and its stop must not signal this one's processes."""
+    home = hashlib.sha256(str(Path(settings.DATA_DIR).resolve()).encode()).hexdigest()[:8]
+    return f"job{job.pk}-a{job.attempt}-{home}"
 
 
 class LocalLauncher:
@@ -164,6 +169,8 @@ class LocalLauncher:
             return PollResult(state="failed", reason=reason, faults=[fault])
         if self._process(job) is not None:
             return PollResult(state="running")
+        if exit_file.is_file():  # it wrote its exit status and ended between the two looks: read that
+            return self.poll(job)
         reason = "the job's launcher process is gone without an exit status (killed, or the machine rebooted)"
         fault = LaunchFault(fault_class=FaultClass.PROCESS_KILLED, message=reason,
                             source_key=f"lost-a{st.get('attempt', 0)}")

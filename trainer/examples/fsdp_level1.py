@@ -89,7 +89,7 @@ def main() -> None:
                     open(os.path.join(path, "DONE"), "w").close()
         if run.should_stop():  # unbroken (a real script would all-reduce it: see unbroken.Run.should_stop)
             break
-    if rank == 0:
+    if rank == 0 and loss is not None:  # None: resumed from a checkpoint of the last step, nothing left
         print(f"FINAL_LOSS {loss.item()!r}", flush=True)
     dist.destroy_process_group()
 

@@ -83,7 +83,7 @@ def main() -> None:
             dist.barrier()
             if rank == 0:
                 open(os.path.join(path, "DONE"), "w").close()
-    if rank == 0:
+    if rank == 0 and loss is not None:  # None: resumed from a checkpoint of the last step, nothing left
         print(f"FINAL_LOSS {loss.item()!r}", flush=True)
     dist.destroy_process_group()
 
