@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from controlplane.api import openapi
 from controlplane.ingest import views as ingest_views
 from controlplane.jobs import services
-from controlplane.jobs.models import Job
+from controlplane.jobs.models import Command, Job
 from tests.controlplane.api.conformance import conforms
 from tests.controlplane.conftest import batch, ev, hb, make_job
 from trainer.wire import DrillFault
@@ -163,3 +163,30 @@ def _read_everything(client, doc, job) -> dict:
             conforms(doc, "get", url, r)
             out[route.path.rsplit("/", 1)[-1]] = r.json()
     return out
+
+
+def test_an_operators_restart_has_a_row_and_a_hoverable_breakdown(client, post):
+    from django.urls import reverse
+    from django.utils import timezone
+
+    from controlplane.dashboard import sections
+
+    operator = User.objects.create_user("op", is_superuser=True)
+    job, token = make_job(spec={"procs_per_node": 2, "steps": 10_000}, name="operator-restart")
+    trainer = Trainer(post, job, token)
+    trainer.beat(10)
+    cmd = services.restart_job(job=Job.objects.get(pk=job.pk), level="in_process", requested_by=operator)
+    (fetched,) = trainer.beat(1)
+    trainer.carry_out(fetched)
+    job = Job.objects.get(pk=job.pk)
+    fig = sections.timeline_part(job, timezone.now())["figure"]
+    commands = [t for t in fig["data"] if t["name"] == "operator command"]
+    assert commands == []  # the restart's own marker stands for it: nothing on top of it takes its hover
+    (restart,) = [t for t in fig["data"] if t["name"].startswith("restart ·")]
+    (hover,) = restart["customdata"]
+    assert f"asked for by op: restart (in-process) ({Command.objects.get(pk=cmd.pk).status})" in hover
+    assert "deliver " in hover and "first step " in hover
+    client.force_login(operator)
+    table = client.get(reverse("dashboard:job_part", args=[job.pk, "faults"])).content.decode()
+    row = table.split('data-testid="restart-action"')[1].split("</tr>")[0]
+    assert "restart (in-process) asked for by op" in row and "action" in row and 'title="deliver ' in row
