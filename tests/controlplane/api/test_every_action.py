@@ -7,6 +7,7 @@ actions is drawn (hypothesis), since a cycle's shape depends on what came before
 from __future__ import annotations
 
 import time
+from datetime import timedelta
 
 import pytest
 from django.contrib.auth.models import User
@@ -172,7 +173,8 @@ def test_an_operators_restart_has_a_row_and_a_hoverable_breakdown(client, post):
     from controlplane.dashboard import sections
 
     operator = User.objects.create_user("op", is_superuser=True)
-    job, token = make_job(spec={"procs_per_node": 2, "steps": 10_000}, name="operator-restart")
+    job, token = make_job(spec={"procs_per_node": 2, "steps": 10_000}, name="operator-restart",
+                          started_at=timezone.now() - timedelta(seconds=310))
     trainer = Trainer(post, job, token)
     trainer.beat(10)
     cmd = services.restart_job(job=Job.objects.get(pk=job.pk), level="in_process", requested_by=operator)
