@@ -141,13 +141,21 @@ else:
         "data_folder_processed": str(CELERY_BROKER_DIR / "processed"),
         "store_processed": False,
         "control_folder": str(CELERY_BROKER_DIR / "control"),
+        # How long the worker waits between looks at an empty folder (kombu's default: 1 s, a watchdog
+        # pass up to 1 s late). A look is one listdir of a small folder.
+        "polling_interval": 0.1,
     }
 CELERY_TASK_SERIALIZER = "json"
 CELERY_RESULT_SERIALIZER = "json"
 CELERY_ACCEPT_CONTENT = ["json"]
 CELERY_TASK_IGNORE_RESULT = True
 CELERY_TASK_ACKS_LATE = True
-CELERY_WORKER_PREFETCH_MULTIPLIER = 1
+# Redis: one message per pool process. The filesystem transport needs room: a worker without an event
+# loop for it (Celery's ``synloop``) performs acks only between its 2 s waits for a message, so once it
+# holds as many unacked messages as its prefetch allows it takes nothing more for 2 s. With 1 (2 messages
+# for 2 processes) it took 2 messages per 2 s while beat puts ~3 a second (the watchdog every 0.5 s): the
+# folder grew without end and the watchdog ran late, "did not run for 6 s" every ~24 s, idle or busy.
+CELERY_WORKER_PREFETCH_MULTIPLIER = 1 if REDIS_URL else 16
 CELERY_TASK_ALWAYS_EAGER = env_bool("UNBROKEN_CELERY_EAGER", False)
 # Slow cluster calls get their own queue so a slow API server never delays fault detection.
 CELERY_TASK_ROUTES = {

@@ -84,8 +84,8 @@ def rank(f: figures.RankFigures, now: datetime) -> schema.Rank:
     )
 
 
-def fault(f: m.Fault, rank_nodes: dict[int, str] | None = None) -> schema.Fault:
-    fig = figures.fault_figures(f, rank_nodes=rank_nodes)
+def fault(f: m.Fault, rank_nodes: dict[int, str] | None = None, *, ended: bool = False) -> schema.Fault:
+    fig = figures.fault_figures(f, rank_nodes=rank_nodes, ended=ended)
     return schema.Fault(
         id=f.pk, at=f.at, detected_at=f.detected_at, fault_class=f.fault_class, rank=f.rank, node=fig.node,
         detected_by=f.detected_by, message=(msg := redact(f.message)), traceback=figures.traceback_in(msg),
@@ -99,11 +99,12 @@ def cycle(c: m.RestartCycle) -> schema.Cycle:
     return schema.Cycle(
         id=c.pk, key=c.key, layer=c.layer, reason=c.reason, escalated_to=c.escalated_to or None,
         marks=schema.CycleMarks(
-            fault_at=c.fault_at, detected_at=c.detected_at, aborted_at=c.aborted_at,
+            fault_at=c.fault_at, delivered_at=c.delivered_at, detected_at=c.detected_at,
+            aborted_at=c.aborted_at,
             restarted_at=c.restarted_at,
             checkpoint_loaded_at=c.checkpoint_loaded_at, first_step_at=c.first_step_at,
         ),
-        durations=schema.CycleDurations(**c.durations()),
+        durations=schema.CycleDurations(**{"deliver": None, **c.durations()}),
         detection_s=c.detection_s, recovery_s=c.recovery_s, step_at_fault=c.step_at_fault,
         resumed_from_step=c.resumed_from_step, lost_steps=c.lost_steps,
     )

@@ -279,7 +279,10 @@ class FaultDetail(Struct, kw_only=True):
 
 
 class CycleMarks(Struct, kw_only=True):
-    fault_at: Time | None
+    fault_at: Annotated[Time | None, Meta(description="The fault; for an operator's restart, when the "
+                                                     "command was issued")]
+    delivered_at: Annotated[Time | None, Meta(description="An operator's restart: when the trainer "
+                                                         "fetched the command (null otherwise)")]
     detected_at: Time | None
     aborted_at: Time | None
     restarted_at: Time | None
@@ -290,6 +293,8 @@ class CycleMarks(Struct, kw_only=True):
 class CycleDurations(Struct, kw_only=True):
     """Seconds between consecutive marks (null where either is missing)."""
 
+    deliver: Annotated[Seconds | None, Meta(description="An operator's restart: issued to fetched by the "
+                                                       "trainer (null otherwise)")]
     detect: Seconds | None
     abort: Seconds | None
     restart: Seconds | None

@@ -159,7 +159,7 @@ def job_faults(request: HttpRequest, job_id: int) -> HttpResponse:
         qs = qs.filter(rank=q.rank)
     rows, after = keyset(qs, q)
     nodes = job.rank_nodes()
-    faults = [render.fault(f, nodes) for f in rows]
+    faults = [render.fault(f, nodes, ended=not job.is_active) for f in rows]
     return respond(schema.FaultList(faults=faults, next=next_link(request, q, after)))
 
 
@@ -174,8 +174,10 @@ def job_fault(request: HttpRequest, job_id: int, fault_id: int) -> HttpResponse:
         raise Refused(404, f"job {job.pk} has no fault {fault_id}")
     nodes = job.rank_nodes()
     tail = fault_log(job, f)
-    ev = evidence.fault_evidence(f, log_text=tail.text, log_why=tail.why, rank_nodes=nodes)
-    return respond(schema.FaultDetail(fault=render.fault(f, nodes), evidence=render.evidence(ev)))
+    ended = not job.is_active
+    ev = evidence.fault_evidence(f, log_text=tail.text, log_why=tail.why, rank_nodes=nodes, ended=ended)
+    return respond(schema.FaultDetail(fault=render.fault(f, nodes, ended=ended),
+                                      evidence=render.evidence(ev)))
 
 
 @api_view("GET")

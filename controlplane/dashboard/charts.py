@@ -212,7 +212,8 @@ def checkpoint_figure(rows: list[dict]) -> dict:
 def progress_figure(points: list[tuple[float, int]], rates: list[tuple[float, float]]) -> dict:
     """Step over time (``points``: (unix s, step), sorted) and throughput on the right axis from the
     trainer's own step times (``rates``: (unix s, seconds per step) from training samples). Throughput is
-    never a step delta between points: across a rollback that would draw the restart as speed."""
+    never a step delta between points: across a rollback that would draw the restart as speed. No step
+    time reported: no throughput trace and no right axis."""
     if len(points) > MAX_POINTS:
         stride = len(points) / MAX_POINTS
         points = [points[int(i * stride)] for i in range(MAX_POINTS)] + [points[-1]]
@@ -231,7 +232,9 @@ def progress_figure(points: list[tuple[float, int]], rates: list[tuple[float, fl
             "marker": {"size": 4},
             "hovertemplate": "step %{y}<br>%{x}<extra></extra>",
         },
-        {
+    ]
+    if rates:
+        traces.append({
             "type": "scatter",
             "mode": "lines",
             "name": "throughput (steps/s, trainer's step time)",
@@ -240,18 +243,19 @@ def progress_figure(points: list[tuple[float, int]], rates: list[tuple[float, fl
             "yaxis": "y2",
             "line": {"color": "#f28e2b"},
             "hovertemplate": "%{y:.2f} steps/s<extra></extra>",
-        },
-    ]
-    layout = _time_series_layout(uirevision="progress", y_title="step", y2_title="steps/s", y_from_zero=True)
+        })
+    layout = _time_series_layout(uirevision="progress", y_title="step", y2_title="steps/s" if rates else None,
+                                 y_from_zero=True)
     return {"figure": {"data": traces, "layout": layout}}
 
 
-def _time_series_layout(*, uirevision: str, y_title: str, y2_title: str, y_from_zero: bool) -> dict:
-    """A time axis, a left axis and a right axis that starts at zero (the progress charts)."""
+def _time_series_layout(*, uirevision: str, y_title: str, y2_title: str | None, y_from_zero: bool) -> dict:
+    """A time axis, a left axis and a right axis that starts at zero (the progress charts); no right
+    axis without ``y2_title`` (no series on it)."""
     yaxis: dict = {"title": {"text": y_title}}
     if y_from_zero:
         yaxis["rangemode"] = "tozero"
-    return {
+    layout = {
         **BASE_LAYOUT,
         "height": 280,
         "uirevision": uirevision,
@@ -267,35 +271,44 @@ def _time_series_layout(*, uirevision: str, y_title: str, y2_title: str, y_from_
         "legend": {"orientation": "h", "y": -0.3},
         "margin": {"l": 60, "r": 60, "t": 10, "b": 40},
     }
+    if y2_title is None:
+        del layout["yaxis2"]
+    return layout
 
 
-def loss_figure(samples: list[tuple[float, float | None, float | None]]) -> dict:
-    """Loss and tokens/s over time from training samples: (unix s, loss, tokens/s), sorted."""
+def loss_figure(samples: list[tuple[float, float | None, float | None]]) -> dict | None:
+    """Loss and tokens/s over time from training samples: (unix s, loss, tokens/s), sorted. Each series
+    draws only the samples that carry it (a sample without it, such as the first after a restart, leaves
+    no hole); a series no sample carries is not drawn, nor its axis; None when neither is."""
     if len(samples) > MAX_POINTS:
         stride = len(samples) / MAX_POINTS
         samples = [samples[int(i * stride)] for i in range(MAX_POINTS)] + [samples[-1]]
-    x = [ms(t) for t, _, _ in samples]
-    traces = [
-        {
+    loss = [(ms(t), v) for t, v, _ in samples if v is not None]
+    tps = [(ms(t), v) for t, _, v in samples if v is not None]
+    if not loss and not tps:
+        return None
+    traces = []
+    if loss:
+        traces.append({
             "type": "scatter",
             "mode": "lines",
             "name": "loss",
-            "x": x,
-            "y": [loss for _, loss, _ in samples],
+            "x": [x for x, _ in loss],
+            "y": [y for _, y in loss],
             "line": {"color": "#e15759"},
-            "connectgaps": False,
             "hovertemplate": "loss %{y:.4f}<br>%{x}<extra></extra>",
-        },
-        {
+        })
+    if tps:
+        traces.append({
             "type": "scatter",
             "mode": "lines",
             "name": "tokens/s",
-            "x": x,
-            "y": [tps for _, _, tps in samples],
-            "yaxis": "y2",
+            "x": [x for x, _ in tps],
+            "y": [y for _, y in tps],
+            "yaxis": "y2" if loss else "y",
             "line": {"color": "#76b7b2"},
             "hovertemplate": "%{y:,.0f} tokens/s<extra></extra>",
-        },
-    ]
-    layout = _time_series_layout(uirevision="loss", y_title="loss", y2_title="tokens/s", y_from_zero=False)
+        })
+    layout = _time_series_layout(uirevision="loss", y_title="loss" if loss else "tokens/s",
+                                 y2_title="tokens/s" if loss and tps else None, y_from_zero=not loss)
     return {"figure": {"data": traces, "layout": layout}}

@@ -276,6 +276,37 @@ class JobForm(forms.Form):
             data["kubernetes"] = k8s
         return data
 
+    # The form's optional sections, below the essentials and the Start button: (title, note, fields,
+    # fields whose value opens the section, the backend it belongs to).
+    SECTIONS = (
+        ("Your own code", "empty: the built-in example model",
+         ("entrypoint", "args", "working_dir", "env"), ("entrypoint",), None),
+        ("Checkpoints", "the built-in model's; your own script keeps its own",
+         ("checkpoint_interval", "checkpoint_mode", "keep_checkpoints", "local_checkpoint_copy"), (), None),
+        ("Resilience layers", "",
+         ("in_process", "max_in_process_restarts", "in_job", "max_in_job_restarts", "fork_ranks", "job_restart",
+          "max_job_restarts", "max_no_progress_restarts"), (), None),
+        ("Supervision", "",
+         ("heartbeat_interval_s", "step_timeout_s", "checkpoint_timeout_s", "stall_timeout_s", "storm_restarts",
+          "straggler_margin_pct", "straggler_window_s", "node_agent", "failure_policy"), (), None),
+        ("Fault drills", "", ("drills",), ("drills",), None),
+        ("Notifications", "", ("notify_webhook_url", "notify_email"), (), None),
+        ("Kubernetes", "", tuple(K8S_PREFIX + k for k in K8S_FIELDS), (), "kubernetes"),
+    )
+
+    def sections(self) -> list[dict]:
+        """The optional sections to draw: collapsed unless one of their fields has an error or a value that
+        matters (your own entrypoint, drills); a backend's section hidden for another backend."""
+        backend = self["backend"].value() or "local"
+        out = []
+        for title, note, names, opening, only_for in self.SECTIONS:
+            bound = [self[n] for n in names if n in self.fields]
+            show = only_for is None or only_for == backend
+            is_open = show and (any(f.errors for f in bound) or any(self[n].value() for n in opening))
+            out.append({"title": title, "note": note, "fields": bound, "open": is_open, "backend": only_for,
+                        "hidden": not show})
+        return out
+
     def field_for(self, key: str) -> str | None:
         """The form field of a spec key (kubernetes.image: k8s_image); None for the form as a whole."""
         if key.startswith("drills"):

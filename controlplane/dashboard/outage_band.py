@@ -7,6 +7,7 @@ from __future__ import annotations
 from datetime import datetime
 
 from controlplane.dashboard.charts import fmt_s, hms, ms
+from controlplane.dashboard.timeline_figure import spaced
 
 BAND_COLOR = "#9e9e9e"
 WHAT = {"ingest": "ingest unavailable", "watchdog": "watchdog not running"}
@@ -28,9 +29,11 @@ def add_outage_bands(figure: dict, windows: list[dict], now: datetime) -> None:
         texts.append(f"<b>control plane unavailable</b> · {WHAT.get(w['component'], w['component'])}<br>"
                      f"{hms(a)} → {'now' if w['end'] is None else hms(b)} UTC ({fmt_s(b - a)})<br>"
                      "not counted against any rank's heartbeat deadline")
+    lo, hi = layout.get("xaxis", {}).get("range") or (min(xs), max(xs))
+    labels = ["control plane unavailable" if ok else "" for ok in spaced(xs, hi - lo)]
     figure["data"].append({
         "type": "scatter", "mode": "markers+text", "name": "control plane unavailable", "x": xs,
-        "y": [0] * len(xs), "text": ["control plane unavailable"] * len(xs), "textposition": "top center",
+        "y": [0] * len(xs), "text": labels, "textposition": "top center",
         "textfont": {"size": 10, "color": "#616161"}, "marker": {"symbol": "square", "size": 9,
                                                                "color": BAND_COLOR},
         "customdata": texts, "hovertemplate": "%{customdata}<extra></extra>"})

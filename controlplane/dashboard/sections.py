@@ -208,6 +208,20 @@ def _rank_lanes(job: Job, now: datetime, ranks: dict[int, Rank], ids: list[int])
     return lanes
 
 
+def _within_job(windows: list[dict], start: float, end: float) -> list[dict]:
+    """Outage windows clipped to the job's own lifetime (an outage before it existed or after it ended
+    is none of its business); those that fall outside it are dropped."""
+    out = []
+    for w in windows:
+        tz = w["start"].tzinfo
+        a = max(w["start"].timestamp(), start)
+        b = min((w["end"] or datetime.fromtimestamp(end, tz=tz)).timestamp(), end)
+        if b > a:
+            out.append({**w, "start": datetime.fromtimestamp(a, tz=tz),
+                        "end": w["end"] and datetime.fromtimestamp(b, tz=tz)})
+    return out
+
+
 def _cycle_dicts(job: Job, lo: datetime | None = None, hi: datetime | None = None) -> list[dict]:
     """Cycles overlapping [lo, hi] (all without bounds)."""
     qs = RestartCycle.objects.filter(job=job)
@@ -220,6 +234,7 @@ def _cycle_dicts(job: Job, lo: datetime | None = None, hi: datetime | None = Non
         out.append(
             {
                 "id": c.pk,
+                "command_id": c.command_id,
                 "key": c.key,
                 "layer": c.layer,
                 "title": c.title,
@@ -311,7 +326,7 @@ def timeline_part(
             }
             for ln in lanes
         ]
-    faults = [fault_dict(f, nodes) for f in fault_rows]
+    faults = [fault_dict(f, nodes, end=job.finished_at) for f in fault_rows]
     if not job.is_active:
         ranks = []  # a finished job's ranks are stopped, not dead
     end_ts = job_end
@@ -340,6 +355,7 @@ def timeline_part(
     spans += per_rank
     commands = [
         {
+            "id": c.pk,
             "issued_at": ts(c.issued_at),
             "summary": command_summary(c),
             "by": c.issued_by.get_username() if c.issued_by else "system",
@@ -366,7 +382,8 @@ def timeline_part(
         t1=t1,
         now=now.timestamp(),
     )
-    add_outage_bands(fig["figure"], outages.windows_between(lo, hi), now)
+    born = min(job.created_at.timestamp(), job_start)
+    add_outage_bands(fig["figure"], _within_job(outages.windows_between(lo, hi), born, job_end), now)
     fig["follow"] = bool(follow and is_open)
     fig["start_ms"] = charts.ms(job_start)
     fig["active"] = is_open
@@ -378,17 +395,19 @@ def timeline_part(
     return fig
 
 
-def fault_dict(f: Fault, nodes: dict[int, str]) -> dict:
-    """A fault for the timeline, with its outcome from the one place that computes it."""
+def fault_dict(f: Fault, nodes: dict[int, str], *, end: datetime | None = None) -> dict:
+    """A fault for the timeline, with its outcome from the one place that computes it. ``end``: the
+    job's finish; a fault recorded after it (the launcher seeing the stopped processes exit) is drawn
+    at it."""
     return {
-        "at": ts(f.at),
-        "detected_at": ts(f.detected_at),
+        "at": ts(f.at if end is None else min(f.at, end)),
+        "detected_at": ts(f.detected_at if end is None else min(f.detected_at, end)),
         "rank": f.rank,
         "fault_class": f.fault_class,
         "cycle_id": f.cycle_id,
         "detected_by": f.detected_by,
         "message": redact(f.message),
-        **figures.fault_figures(f, rank_nodes=nodes).as_dict(),
+        **figures.fault_figures(f, rank_nodes=nodes, ended=end is not None).as_dict(),
     }
 
 
@@ -450,7 +469,8 @@ def checkpoint_part(job: Job) -> dict:
         (r[5], r[6], r[2], r[3], r[8]) for r in _checkpoint_rows(job)
     )
     return {"chart": charts.checkpoint_figure(rows), "counts": counts, "recent": list(reversed(rows[-8:])),
-            "total": len(rows), "advice": advice, "mode": (job.spec or {}).get("checkpoint_mode") or "async"}
+            "total": len(rows), "advice": advice, "mode": (job.spec or {}).get("checkpoint_mode") or "async",
+            "min_saves": figures.MIN_ADVICE_SAVES}
 
 
 FAULT_FILTERS = ("fault_class", "layer", "rank")
@@ -472,10 +492,11 @@ def faults_part(job: Job, params) -> dict:
     nodes = fleet.rank_nodes(job, {f.rank for f in page.object_list if f.rank is not None})
     rows = []
     for f in page.object_list:
-        fig = figures.fault_figures(f, rank_nodes=nodes)
+        fig = figures.fault_figures(f, rank_nodes=nodes, ended=not job.is_active)
         rows.append(
             {
                 "f": f,
+                "at": f.at if job.finished_at is None else min(f.at, job.finished_at),
                 "message": redact(f.message),
                 "node": fig.node,
                 "layer": layer_words(fig.layer, fig.escalated_to),
@@ -484,6 +505,8 @@ def faults_part(job: Job, params) -> dict:
                 "lost": fig.lost_steps,
             }
         )
+    if not chosen["fault_class"] and chosen["rank"] in ("", None):
+        rows = sorted(rows + _restart_rows(job, page, chosen["layer"]), key=lambda r: r["at"], reverse=True)
     classes = sorted(set(Fault.objects.filter(job=job).values_list("fault_class", flat=True).distinct()))
     spec = job.job_spec
     return {
@@ -497,6 +520,39 @@ def faults_part(job: Job, params) -> dict:
         # A large job's rank filter is a number field, not 100,000 options.
         "ranks": None if fleet.is_large(job) else range(job.world_size),
     }
+
+
+def _restart_rows(job: Job, page, layer: str) -> list[dict]:
+    """The operator's restarts on this page of the fault table (between its oldest and newest fault): an
+    action, not a fault, with the cycle's figures and its phases (deliver, detect, ...) in the hover."""
+    cycles = (RestartCycle.objects.filter(job=job, command__kind="restart")
+              .select_related("command__issued_by"))
+    if layer:
+        cycles = cycles.filter(layer=layer)
+    faults = list(page.object_list)
+    if faults and page.has_previous():
+        cycles = cycles.filter(fault_at__lte=faults[0].at)
+    if faults and page.has_next():
+        cycles = cycles.filter(fault_at__gt=faults[-1].at)
+    rows = []
+    for c in cycles.order_by("-fault_at")[:FAULTS_PER_PAGE]:
+        if c.start_at is None:
+            continue
+        who = c.command.issued_by.get_username() if c.command.issued_by else "system"
+        recovering = c.recovery_s is None and job.is_active
+        rows.append({
+            "action": True,
+            "at": c.start_at if job.finished_at is None else min(c.start_at, job.finished_at),
+            "summary": f"{command_summary(c.command)} asked for by {who}",
+            "layer": layer_words(c.layer, c.escalated_to),
+            "detection": "–",
+            "recovery": charts.fmt_s(c.recovery_s) if c.recovery_s is not None else (
+                "in progress" if recovering else "–"),
+            "breakdown": " · ".join(f"{k.replace('_', ' ')} {charts.fmt_s(v)}"
+                                    for k, v in c.durations().items()),
+            "lost": c.lost_steps,
+        })
+    return rows
 
 
 def layer_words(layer: str | None, escalated_to: str | None = None) -> str:
@@ -645,11 +701,15 @@ def progress_part(job: Job, now: datetime) -> dict:
     if job.last_progress_at:
         points.append((job.last_progress_at.timestamp(), job.last_step))
     points.sort()
+    loss = charts.loss_figure([(t, loss, tps) for t, _, loss, tps, _ in samples])
     return {
         "progress": charts.progress_figure(points, [(t, st) for t, _, _, _, st in samples]),
-        "loss": charts.loss_figure([(t, loss, tps) for t, _, loss, tps, _ in samples]),
-        "has_samples": bool(samples),
+        "loss": loss,
+        "has_samples": loss is not None,
         "has_progress": bool(points),
+        "reported": [name for name, i in (("loss", 2), ("tokens/s", 3))
+                     if any(r[i] is not None for r in samples)],
+        "ended": not job.is_active,
     }
 
 

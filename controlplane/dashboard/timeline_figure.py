@@ -141,6 +141,22 @@ def downsample_spans(
 
 # -- recovery timeline ----------------------------------------------------------------------------
 
+# Labels on one lane closer than this share of the visible time apart would run into one another
+# ("control plane unavailablecontrol plane unavailable"): only the first of them is labelled; the
+# others keep their marker and hover.
+LABEL_GAP = 0.08
+
+
+def spaced(xs: list[float], span: float) -> list[bool]:
+    """Which of the points at ``xs`` (on one lane) get a text label: left to right, each at least
+    ``LABEL_GAP`` of ``span`` after the last labelled one."""
+    keep = [False] * len(xs)
+    last = None
+    for i in sorted(range(len(xs)), key=lambda i: xs[i]):
+        if last is None or xs[i] - last >= LABEL_GAP * span:
+            keep[i], last = True, xs[i]
+    return keep
+
 
 def timeline_figure(
     *,
@@ -233,6 +249,13 @@ def timeline_figure(
             }
         )
     labelled = sum(len(v) for v in by_layer.values()) <= MAX_LABELLED
+    everyone = [c for items in by_layer.values() for c in items]
+    label_ok = {id(c): ok for c, ok in zip(everyone, spaced([c["start"] for c in everyone], t1 - t0),
+                                           strict=True)}
+    # An operator's restart starts when its command was issued, where the command's marker would sit on
+    # top of it and take its hover: the restart's marker says who asked instead, and the command has none.
+    by_command = {c["id"]: c for c in commands if c.get("id") is not None}
+    restarted = {c["command_id"] for c in cycles if c.get("command_id") is not None}
     for layer, items in by_layer.items():
         d = [c["durations"] for c in items]
         traces.append(
@@ -243,13 +266,15 @@ def timeline_figure(
                 "legendgroup": "cycle",
                 "x": [ms(c["start"]) for c in items],
                 "y": [0] * len(items),
-                "text": [f"{LAYER_NAMES.get(layer, layer)} {fmt_s(c['recovery_s'])}" for c in items],
+                "text": [f"{LAYER_NAMES.get(layer, layer)} {fmt_s(c['recovery_s'])}"
+                         if label_ok[id(c)] else "" for c in items],
                 "textposition": "middle right",
                 "textfont": {"size": 10},
                 "marker": {"symbol": "diamond", "size": 11, "color": LAYER_COLORS.get(layer, "#7f7f7f")},
                 "customdata": [
                     f"<b>{c['title']}</b> at {hms(c['start'])} UTC"
-                    f"{'<br>' + c['reason'] if c['reason'] else ''}<br>"
+                    f"{'<br>' + c['reason'] if c['reason'] else ''}"
+                    f"{_asked_by(by_command.get(c.get('command_id')))}<br>"
                     + " · ".join(f"{k.replace('_', ' ')} {fmt_s(v)}" for k, v in dd.items())
                     + f"<br>recovery {fmt_s(c['recovery_s']) if c['first_step_at'] else 'in progress'}"
                     + (f" · steps lost {c['lost_steps']}" if c["lost_steps"] is not None else "")
@@ -264,6 +289,12 @@ def timeline_figure(
     for f in visible:
         by_class[f["fault_class"]].append(f)
     labelled = len(visible) <= MAX_LABELLED
+    fault_lane = [lane_y.get(f.get("lane", f["rank"]), 0) for f in visible]
+    fault_label = {}
+    for y in set(fault_lane):
+        mine = [f for f, fy in zip(visible, fault_lane, strict=True) if fy == y]
+        fault_label.update({id(f): ok for f, ok in zip(mine, spaced([f["at"] for f in mine], t1 - t0),
+                                                       strict=True)})
     for cls, items in sorted(by_class.items()):
         traces.append(
             {
@@ -273,7 +304,7 @@ def timeline_figure(
                 "legendgroup": "fault",
                 "x": [ms(f["at"]) for f in items],
                 "y": [lane_y.get(f.get("lane", f["rank"]), 0) for f in items],
-                "text": [cls] * len(items) if labelled else None,
+                "text": [cls if fault_label[id(f)] else "" for f in items] if labelled else None,
                 "textposition": "top center",
                 "textfont": {"size": 10, "color": FAULT_COLORS.get(cls, "#000")},
                 "marker": {
@@ -295,7 +326,7 @@ def timeline_figure(
         if not labelled:
             del traces[-1]["text"]
 
-    cmds = [c for c in commands if t0 <= c["issued_at"] <= t1]
+    cmds = [c for c in commands if t0 <= c["issued_at"] <= t1 and c.get("id") not in restarted]
     if cmds:
         traces.append(
             {
@@ -417,3 +448,8 @@ def plot_height_for(lanes: int) -> int:
     return max(140, per_lane * (lanes + 1))
 
 
+def _asked_by(command: dict | None) -> str:
+    """An operator's restart: the command that asked for it, in its cycle's hover."""
+    if command is None:
+        return ""
+    return f"<br>asked for by {command['by']}: {command['summary']} ({command['status']})"

@@ -8,6 +8,8 @@ and it works the same under WSGI (runserver, gunicorn) and ASGI (uvicorn), on SQ
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 from django.contrib.auth.decorators import login_required
 from django.core.paginator import Paginator
 from django.http import Http404, JsonResponse
@@ -16,7 +18,7 @@ from django.utils import timezone
 from django.views.decorators.cache import never_cache
 from django.views.decorators.http import require_GET
 
-from controlplane.dashboard import fleet, sections
+from controlplane.dashboard import charts, fleet, sections
 from controlplane.dashboard.code import code_part
 from controlplane.dashboard.assets import PLOTLY_VERSION
 from controlplane.jobs.models import Job
@@ -189,12 +191,19 @@ def job_live(request, job_id: int):
 @require_GET
 def fault_detail(request, job_id: int, fault_id: int):
     """One fault: its summary sentence and everything that proves it (``jobs/evidence.py``)."""
-    from controlplane.jobs import evidence
+    from controlplane.jobs import evidence, figures
     from controlplane.jobs.models import Fault
     from controlplane.launchers.logs import fault_log
 
     job = get_object_or_404(Job, pk=job_id)
     fault = get_object_or_404(Fault.objects.select_related("cycle"), job=job, pk=fault_id)
     tail = fault_log(job, fault)
-    ev = evidence.fault_evidence(fault, log_text=tail.text, log_why=tail.why, rank_nodes=job.rank_nodes())
-    return render(request, "dashboard/fault.html", {"job": job, "f": fault, "ev": ev})
+    nodes, ended = job.rank_nodes(), not job.is_active
+    ev = evidence.fault_evidence(fault, log_text=tail.text, log_why=tail.why, rank_nodes=nodes, ended=ended)
+    # Detection, recovery and steps lost: the figures the fault table and the timeline's hovers show.
+    fig = figures.fault_figures(fault, rank_nodes=nodes, ended=ended)
+    return render(request, "dashboard/fault.html", {
+        "job": job, "f": fault, "ev": ev, "fig": fig,
+        "detected_at": fault.at + timedelta(seconds=fig.detection_s),
+        "detection": charts.fmt_s(fig.detection_s),
+        "recovery": sections.recovery_words(fig)})

@@ -122,9 +122,9 @@ def log_lines(text: str | None, *, rank: int | None, at: datetime, until: dateti
 
 
 def fault_evidence(f: Fault, *, log_text: str | None = None, log_why: str | None = None,
-                   rank_nodes: dict[int, str] | None = None) -> Evidence:
-    """Everything that proves ``f``, with its summary sentence."""
-    fig = figures.fault_figures(f, rank_nodes=rank_nodes)
+                   rank_nodes: dict[int, str] | None = None, ended: bool = False) -> Evidence:
+    """Everything that proves ``f``, with its summary sentence (``ended``: the job is over)."""
+    fig = figures.fault_figures(f, rank_nodes=rank_nodes, ended=ended)
     message = redact(f.message or "")
     exc_type, exc_msg, frames = parse_traceback(message)
     data = fault_data(f)
@@ -186,6 +186,9 @@ def summary(f: Fault, fig: figures.FaultFigures, ev: Evidence) -> str:
         then = "no restart layer handled it"
     elif fig.recovering:
         then = act.replace("restarted", "is restarting").replace("relaunched", "is relaunching")
+    elif fig.recovery_s is None and not fig.escalated_to:  # the job ended before the restart's first step
+        then = (act.replace("restarted", "was restarting").replace("relaunched", "was relaunching")
+                + " when the job ended")
     elif fig.escalated_to:
         then = act.replace("restarted", "tried to restart") + f", then handed it on to {fig.escalated_to}"
     else:

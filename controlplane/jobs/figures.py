@@ -28,7 +28,7 @@ class FaultFigures:
     escalated_to: str | None  # that cycle gave up and this later cycle recovered instead
     detection_s: float  # the cycle's detection latency when it has one, else the fault's own
     recovery_s: float | None  # the cycle's recovery time (None: no cycle, or still recovering)
-    recovering: bool  # a cycle is attached and has not reached its first step
+    recovering: bool  # a cycle is attached, has not reached its first step, and the job still runs
     lost_steps: int | None  # steps recomputed because of this fault (the fault's own, else its cycle's)
     node: str  # the fault's node, else the node its rank reported (when ``rank_nodes`` is given)
 
@@ -38,11 +38,12 @@ class FaultFigures:
                 "node": self.node}
 
 
-def fault_figures(f: Fault, *, rank_nodes: dict[int, str] | None = None) -> FaultFigures:
+def fault_figures(f: Fault, *, rank_nodes: dict[int, str] | None = None, ended: bool = False) -> FaultFigures:
     """Figures of one fault; ``f.cycle`` should be loaded with it (``select_related("cycle")``). Every
     view of a fault reads these: the fault table, the timeline's marker hover (its cycle's hover shows
     the same cycle's figures) and the operator API. ``rank_nodes`` (rank -> node, ``Job.rank_nodes()``)
-    names the node when the fault did not."""
+    names the node when the fault did not. ``ended``: the job is over, so a cycle that never reached its
+    first step is not recovering any more (it never will)."""
     c: RestartCycle | None = f.cycle
     detection = c.detection_s if c is not None and c.detection_s is not None else f.detection_s
     node = f.node or ((rank_nodes or {}).get(f.rank, "") if f.rank is not None else "")
@@ -52,7 +53,7 @@ def fault_figures(f: Fault, *, rank_nodes: dict[int, str] | None = None) -> Faul
         escalated_to=(c.escalated_to or None) if c is not None else None,
         detection_s=detection,
         recovery_s=c.recovery_s if c is not None else None,
-        recovering=c is not None and c.recovery_s is None,
+        recovering=c is not None and c.recovery_s is None and not ended,
         lost_steps=f.lost_steps if f.lost_steps is not None else (c.lost_steps if c is not None else None),
     )
 
@@ -98,6 +99,12 @@ class ModeAdvice:
     sync_measured: bool  # True: from the job's own sync saves; False: estimated from async write times
     cheaper: str  # "sync" or "async"
     saves: int  # async saves the figures come from
+    sync_saves: int = 0  # sync saves the sync figure comes from (0: estimated from the async saves)
+
+
+# Advice from fewer saves than this of a kind is none: one sync save (the one a stop makes) against a
+# handful of async ones said "sync costs this job less" on a job whose async saves were cheap.
+MIN_ADVICE_SAVES = 3
 
 
 def checkpoint_mode_advice(rows: Iterable[tuple[str, str, float | None, float | None, float | None]]
@@ -106,7 +113,8 @@ def checkpoint_mode_advice(rows: Iterable[tuple[str, str, float | None, float | 
     interference_s)`` rows. An async save costs its blocked time plus its interference; a sync save
     its blocked time, taken from the job's own sync saves when it has any, else estimated as an async
     save's write time (start to durable: the same bytes written while competing with the steps, so at
-    most what a sync save would block). None until an async save with its interference is durable."""
+    most what a sync save would block). Each figure is a median of at least ``MIN_ADVICE_SAVES`` saves:
+    fewer sync saves than that are not used (the estimate is), fewer async ones give no advice."""
     asyncs, syncs, writes = [], [], []
     for mode, state, blocking_s, write_s, interference_s in rows:
         if state != CheckpointState.DURABLE:
@@ -117,7 +125,9 @@ def checkpoint_mode_advice(rows: Iterable[tuple[str, str, float | None, float | 
             asyncs.append((blocking_s or 0.0, interference_s))
             if write_s is not None:
                 writes.append(write_s)
-    if not asyncs or not (syncs or writes):
+    if len(syncs) < MIN_ADVICE_SAVES:
+        syncs = []
+    if len(asyncs) < MIN_ADVICE_SAVES or not (syncs or len(writes) >= MIN_ADVICE_SAVES):
         return None
     blocking = statistics.median(b for b, _ in asyncs)
     interference = statistics.median(i for _, i in asyncs)
@@ -125,7 +135,7 @@ def checkpoint_mode_advice(rows: Iterable[tuple[str, str, float | None, float | 
     sync_s = statistics.median(syncs or writes)
     return ModeAdvice(async_cost_s=cost, async_blocking_s=blocking, async_interference_s=interference,
                       sync_s=sync_s, sync_measured=bool(syncs), cheaper="sync" if cost > sync_s else "async",
-                      saves=len(asyncs))
+                      saves=len(asyncs), sync_saves=len(syncs))
 
 
 def checkpoint_counts(states: Iterable[str]) -> dict[str, int]:

@@ -3,9 +3,11 @@
 Over wall time W (job start to now, or to its end) every instant belongs to exactly one part, taken
 in this order (an instant that two facts claim goes to the earlier part):
 
-- **startup**: job start (``started_at``, else ``created_at``) to the first completed step;
+- **startup**: job start (the earlier of ``created_at`` and ``started_at``: a launch is part of the
+  job's wall time, and W must not shrink when the launch ends) to the first completed step;
 - **recovery**: each restart cycle, from its fault to the first step after it (an open cycle runs to
-  the end of W);
+  the end of W). An operator's restart begins when the trainer acted on the command (its first mark
+  after fetching it), not when it was issued: the loop kept training, and reporting steps, until then;
 - **checkpoint blocking**: time the training loop waited on saves (``Checkpoint.blocking_s``; a sync
   save without that figure blocked for all of it);
 - **checkpoint interference**: the steps an async save slowed down while it ran in the background
@@ -145,14 +147,15 @@ def compute_goodput(job, now: datetime) -> dict[str, float]:
 def goodput_facts(job, now: datetime) -> GoodputFacts:
     """The job's goodput facts from its rows: cycles, saves, progress and (for each rollback) the first
     training sample past the fault's step."""
-    start = (job.started_at or job.created_at).timestamp()
+    start = min(job.created_at, job.started_at or job.created_at).timestamp()
     end = (job.finished_at or now).timestamp()
     progress = job.last_progress_at.timestamp() if job.last_progress_at else None
     cycles = []
-    for fault_at, detected_at, aborted_at, restarted_at, first_at, *steps in job.cycles.values_list(
-            Epoch("fault_at"), Epoch("detected_at"), Epoch("aborted_at"), Epoch("restarted_at"),
-            Epoch("first_step_at"), "step_at_fault", "resumed_from_step", "step_at_fault_estimate"):
-        began = next((t for t in (fault_at, detected_at, aborted_at, restarted_at) if t is not None), None)
+    rows = job.cycles.values_list(Epoch("fault_at"), Epoch("delivered_at"), Epoch("detected_at"),
+                                  Epoch("aborted_at"), Epoch("restarted_at"), Epoch("first_step_at"),
+                                  "step_at_fault", "resumed_from_step", "step_at_fault_estimate")
+    for fault_at, delivered_at, detected_at, aborted_at, restarted_at, first_at, *steps in rows:
+        began = cycle_began(fault_at, delivered_at, detected_at, aborted_at, restarted_at)
         if began is None:
             continue
         step_at_fault, resumed_from, estimate = steps
@@ -197,6 +200,15 @@ def goodput_facts(job, now: datetime) -> GoodputFacts:
         saves=tuple(saves),
         save_in_flight_since=min(in_flight, default=None),
     )
+
+
+def cycle_began(fault_at: float | None, delivered_at: float | None, *marks: float | None) -> float | None:
+    """When a cycle began taking the job's time: its first mark; for an operator's restart (a command
+    the trainer fetched at ``delivered_at``), the trainer's first mark after the fetch (the loop trained
+    on until then), else the fetch."""
+    if delivered_at is not None:
+        return min((t for t in marks if t is not None and t >= delivered_at), default=delivered_at)
+    return next((t for t in (fault_at, *marks) if t is not None), None)
 
 
 def _utc(t: float) -> datetime:

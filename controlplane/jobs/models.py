@@ -95,6 +95,12 @@ class Job(models.Model):
     def is_active(self) -> bool:
         return self.status in ACTIVE_STATUSES
 
+    @property
+    def step_shown(self) -> int:
+        """The step the pages show: the current one while the job runs (it drops with a rollback), the
+        highest reached once it is over (a relaunch that never stepped reads 0 otherwise)."""
+        return self.last_step if self.is_active else max(self.last_step, self.max_step)
+
     def issue_token(self) -> str:
         """Make a new ingest token; only its hash is stored. Returns the token (show it once)."""
         token = TOKEN_PREFIX + secrets.token_urlsafe(32)

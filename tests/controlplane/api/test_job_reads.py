@@ -96,6 +96,7 @@ def test_it_lists_cycles_with_their_marks_and_durations(api, job):
     assert ip["key"] == "a0-ij0-ip1" and ip["reason"].startswith("exception: RuntimeError")
     assert all(ip["marks"][m] for m in ("fault_at", "detected_at", "aborted_at", "restarted_at",
                                         "checkpoint_loaded_at", "first_step_at"))
+    assert ip["marks"]["delivered_at"] is None and ip["durations"].pop("deliver") is None  # no command
     assert ip["durations"] == pytest.approx({"detect": 0.2, "abort": 0.2, "restart": 0.2, "reload": 0.4,
                                              "first_step": 0.5}, abs=1e-3)
     assert (ip["step_at_fault"], ip["resumed_from_step"], ip["lost_steps"]) == (60, 40, 20)

@@ -147,14 +147,21 @@ def test_it_draws_each_async_save_s_interference_and_says_which_mode_costs_the_j
     assert (advice.cheaper, advice.sync_measured) == ("async", False)
     assert advice.async_cost_s == pytest.approx(0.51) and advice.sync_s == pytest.approx(1.6)
 
+    # One sync save (the one a stop makes) is not enough to measure: still the estimate.
     make_checkpoint(job, 80, started_at=now - timedelta(seconds=50), mode="sync", blocking_s=0.3)
     job = type(job).objects.get(pk=job.pk)  # a new request (the page caches the rows per job object)
+    assert sections.checkpoint_part(job)["advice"].sync_measured is False
+    for i, step in enumerate((100, 120)):
+        make_checkpoint(job, step, started_at=now - timedelta(seconds=40 - 10 * i), mode="sync",
+                        blocking_s=0.3)
+    job = type(job).objects.get(pk=job.pk)
     advice = sections.checkpoint_part(job)["advice"]
-    assert (advice.cheaper, advice.sync_measured, advice.sync_s) == ("sync", True, 0.3)
+    assert (advice.cheaper, advice.sync_measured, advice.sync_s, advice.sync_saves) == ("sync", True, 0.3, 3)
     make_user("viewer")
     client.login(username="viewer", password=PASSWORD)
     body = client.get(reverse("dashboard:job", args=[job.pk])).content.decode()
     assert "Sync saves cost this job less" in body and '"checkpoint_mode": "sync"' in body
+    assert "median of 3)" in body
     assert "<th class=\"num\">Slower steps</th>" in body
 
 
@@ -164,4 +171,15 @@ def test_it_gives_no_advice_before_an_async_save_reported_its_interference():
     job = make_job(now=now)
     make_checkpoint(job, 20, started_at=now - timedelta(seconds=100))  # an older trainer: no figure
     make_checkpoint(job, 40, started_at=now - timedelta(seconds=80), mode="sync", blocking_s=0.3)
+    assert sections.checkpoint_part(job)["advice"] is None
+
+
+@pytest.mark.django_db
+def test_it_gives_no_advice_from_fewer_than_three_saves():
+    now = timezone.now()
+    job = make_job(now=now)
+    for i, step in enumerate((20, 40)):
+        make_checkpoint(job, step, started_at=now - timedelta(seconds=100 - 10 * i), blocking_s=0.01,
+                        interference_s=0.5)
+    make_checkpoint(job, 60, started_at=now - timedelta(seconds=50), mode="sync", blocking_s=0.01)
     assert sections.checkpoint_part(job)["advice"] is None

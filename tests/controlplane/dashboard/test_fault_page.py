@@ -110,3 +110,35 @@ def test_it_takes_the_rank_s_log_lines_around_the_fault():
         '  File "t.py", line 1, in <module>',
         "2026-12-03 15:00:31,000 launcher INFO trainer.launch: worker group FAILED",
     ]
+
+
+def test_it_shows_the_detection_recovery_and_steps_lost_the_table_shows(client):
+    """The fault was sent 0.8 s after it happened (the fault row's detected_at), its cycle's layer
+    detected it after 0.4 s: the page, like the table and the hovers, says 0.4 s."""
+    job, fault = _killed_during_a_save()
+    fault.detected_at = fault.at + timedelta(seconds=0.8)
+    fault.save()
+    _viewer(client)
+    table = client.get(reverse("dashboard:job_part", args=[job.pk, "faults"])).content.decode()
+    page = client.get(reverse("dashboard:fault", args=[job.pk, fault.pk])).content.decode()
+    assert "400 ms" in table and "2.10 s" in table
+    detected = page.split('data-testid="fault-detected">')[1].split("</td>")[0]
+    assert "400 ms later" in detected and "800 ms" not in detected
+    assert (fault.at + timedelta(seconds=0.4)).strftime("%H:%M:%S.%f") in detected
+    assert 'data-testid="fault-recovery">2.10 s<' in page and 'data-testid="fault-lost">10<' in page
+
+
+def test_a_finished_jobs_unrecovered_fault_is_not_in_progress(client):
+    now = timezone.now()
+    job = make_job(now=now, age_s=300, status="failed", finished_at=now - timedelta(seconds=30))
+    cycle = make_cycle(job, "a0-ij1", layer="in_job", fault_at=now - timedelta(seconds=60), marks=(0.4, None))
+    fault = make_fault(job, at=now - timedelta(seconds=60), rank=0, cycle=cycle)
+    late = make_fault(job, at=now - timedelta(seconds=10), rank=1, fault_class="process_killed", key="late")
+    _viewer(client)
+    table = client.get(reverse("dashboard:job_part", args=[job.pk, "faults"])).content.decode()
+    assert "in progress" not in table
+    assert (now - timedelta(seconds=10)).strftime("%H:%M:%S") not in table  # folded into the end
+    assert (now - timedelta(seconds=30)).strftime("%H:%M:%S") in table
+    page = client.get(reverse("dashboard:fault", args=[job.pk, fault.pk])).content.decode()
+    assert "is restarting" not in page and "in progress" not in page and "when the job ended" in page
+    assert late.pk

@@ -96,6 +96,20 @@ def test_it_renders_a_job_with_no_facts_yet(viewer_client):
     assert "Waiting for the first heartbeat" in body and "Waiting for the first checkpoint" in body
     assert 'data-chart="progress-data"' not in body and 'data-chart="ckpt-data"' not in body
     assert "· ?" not in body and "no heartbeat yet" in body
+    assert "data-live-indicator" in body
+
+
+def test_it_renders_a_finished_job_as_finished(viewer_client):
+    from django.utils import timezone
+
+    failed = make_job(status="failed", started_at=None, first_step_at=None, last_step=0,
+                      last_progress_at=None, finished_at=timezone.now())
+    body = viewer_client.get(reverse("dashboard:job", args=[failed.pk])).content.decode()
+    assert "Waiting for" not in body and "data-live-indicator" not in body
+    assert "the job ended before its ranks reported training" in body
+    done = make_job(status="succeeded", last_step=0, max_step=100, finished_at=timezone.now())
+    body = viewer_client.get(reverse("dashboard:job", args=[done.pk])).content.decode()
+    assert "100 / " in body and "(highest reached)" in body and "data-live-indicator" not in body
 
 
 def test_it_filters_and_paginates_the_fault_table(viewer_client):

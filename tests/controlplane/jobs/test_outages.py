@@ -135,6 +135,32 @@ def test_it_shows_the_outage_as_a_band_on_the_job_timeline():
     assert any(t.get("name") == "control plane unavailable" for t in fig["data"])
 
 
+def test_it_draws_outage_bands_only_inside_the_jobs_own_lifetime():
+    now = timezone.now()
+    job, _ = make_job(created_at=now - timedelta(seconds=100), started_at=now - timedelta(seconds=100),
+                      finished_at=now - timedelta(seconds=20), status="succeeded")
+    for a, b in ((-300, -200), (-110, -90), (-60, -50), (-30, -10), (-5, None)):
+        Outage.objects.create(component="watchdog", started_at=now + timedelta(seconds=a),
+                              ended_at=b and now + timedelta(seconds=b))
+    fig = timeline_part(job, now)["figure"]
+    bands = [(s["x1"] - s["x0"]) // 1000 for s in fig["layout"].get("shapes", [])
+             if s.get("name") == "control plane unavailable"]
+    assert bands == [10, 10, 10]  # before it, clipped at its start, inside, clipped at its end; none after
+    (labels,) = [t["text"] for t in fig["data"] if t.get("name") == "control plane unavailable"]
+    assert labels == ["control plane unavailable"] * 3  # far enough apart
+
+
+def test_it_labels_only_one_of_two_outage_bands_that_would_run_into_each_other():
+    now = timezone.now()
+    job, _ = make_job(created_at=now - timedelta(seconds=600), started_at=now - timedelta(seconds=600))
+    for a in (-300, -290):
+        Outage.objects.create(component="watchdog", started_at=now + timedelta(seconds=a),
+                              ended_at=now + timedelta(seconds=a + 6))
+    fig = timeline_part(job, now)["figure"]
+    (labels,) = [t["text"] for t in fig["data"] if t.get("name") == "control plane unavailable"]
+    assert labels == ["control plane unavailable", ""]
+
+
 def test_a_dependency_outage_is_one_warning_when_it_starts_and_one_when_it_ends(caplog):
     caplog.set_level(logging.WARNING, logger="controlplane.jobs.outages")
     for _ in range(50):
