@@ -230,7 +230,7 @@ class LauncherHooks:
         # A rule said this failure is not restarted in-job: no more rounds; the launch fails (EXIT_POLICY_STOP
         # for stop and stop_keep, so the control plane does not relaunch; status 1 for restart_job, so it does).
         self.policy: Decision | None = None
-        self._reported: set[tuple[int, str]] = set()
+        self._reported: set[int] = set()
 
     def install(self, agent_cls: Any) -> None:
         hooks = self
@@ -281,9 +281,9 @@ class LauncherHooks:
         spec = wg.spec
         remaining = agent._remaining_restarts
         round_ = spec.max_restarts - remaining
-        if (round_, result.state.name) in self._reported:  # the agent may look twice before giving up
+        if round_ in self._reported:  # the agent may look twice (UNHEALTHY, then FAILED): one failure
             return
-        self._reported.add((round_, result.state.name))
+        self._reported.add(round_)
         facts = take_fault(self.app_store, round_) or {}
         if facts.get("fatal"):
             # The same code fails the same way in every round: end the launch now.
@@ -316,7 +316,8 @@ class LauncherHooks:
             return
         first = min(failures) if failures else None
         rank = facts.get("rank", first)
-        sig = failures.get(first, {}).get("signal") if first is not None else None
+        own = rank if rank in failures else first  # the exit of the rank whose facts these are
+        sig = failures.get(own, {}).get("signal") if own is not None else None
         # A rank whose loop stopped beating wrote its stacks (PacedFt) before ft_launcher's timeout ended it.
         stack = read_hang_stack(self.run_dir, rank, since=detected_at - 2 * self.step_timeout_s - 5) \
             if self.run_dir and type(rank) is int else ""
@@ -325,17 +326,37 @@ class LauncherHooks:
         cycle = cycle_key(attempt=self.attempt, restart_count=round_ + 1) if will_restart else None
         self.reporter.event(EventKind.FAULT, {
             "fault": fault, "cycle": cycle, "detected_by": "launcher", "rank": rank,
-            "interruption": f"exit {failures[first]['exitcode']}" + (f" {sig}" if sig else "") if first is not None
+            "interruption": f"exit {failures[own]['exitcode']}" + (f" {sig}" if sig else "") if own is not None
             else result.state.name,
             "message": _with_stack(_with_traceback(facts.get("message") or desc, facts.get("traceback")), rank,
                                    stack),
             **({"step": facts["step"]} if facts.get("step") is not None else {})}, rank=rank)
+        if not facts.get("fatal"):  # code that cannot start fails alike everywhere: one fault says it
+            self._report_peers(failures, round_, cycle, skip=rank)
         if cycle:
             self.restarting_cycle = cycle
             if facts.get("at"):
                 self.mark(cycle, CycleMark.FAULT, at=float(facts["at"]), step=facts.get("step"))
             self.mark(cycle, CycleMark.DETECTED, at=detected_at)
 
+
+    def _report_peers(self, failures: dict[int, dict], round_: int, cycle: str | None, *, skip: Any) -> None:
+        """A fault per other failed rank, with its own exit and facts: the control plane decides which
+        rank's failure the others echo (a killed rank's exit beside its peers' gloo errors)."""
+        for r in sorted(failures):
+            if r == skip:
+                continue
+            f = failures[r]
+            own = take_fault(self.app_store, round_, r) or {}
+            code, sig = f["exitcode"], f["signal"]
+            exit_words = f"exit {code}" + (f" ({sig})" if sig else "")
+            fault = own.get("fault") or (FaultClass.PROCESS_KILLED if sig or (code or 0) >= 128
+                                         else FaultClass.EXCEPTION)
+            self.reporter.event(EventKind.FAULT, {
+                "fault": fault, "cycle": cycle, "detected_by": "launcher", "rank": r,
+                "interruption": f"exit {code}" + (f" {sig}" if sig else ""),
+                "message": _with_traceback(own.get("message") or f"rank {r}: {exit_words}", own.get("traceback")),
+                **({"step": own["step"]} if own.get("step") is not None else {})}, rank=r)
 
     def _policy(self, failures: dict[int, dict], facts: dict) -> Decision | None:
         """The written rule that says this round's failure must not be restarted in-job

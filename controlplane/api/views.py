@@ -175,7 +175,8 @@ def job_fault(request: HttpRequest, job_id: int, fault_id: int) -> HttpResponse:
     nodes = job.rank_nodes()
     tail = fault_log(job, f)
     ev = evidence.fault_evidence(f, log_text=tail.text, log_why=tail.why, rank_nodes=nodes)
-    return respond(schema.FaultDetail(fault=render.fault(f, nodes), evidence=render.evidence(ev)))
+    return respond(schema.FaultDetail(fault=render.fault(f, nodes, summary=ev.summary),
+                                      evidence=render.evidence(ev)))
 
 
 @api_view("GET")
