@@ -42,6 +42,8 @@ COMM_ERROR = re.compile(
     r"DistNetworkError|DistBackendError|DistStoreError|ProcessGroup(?:Gloo|NCCL)|"
     r"collective operation timeout|Socket ?Timeout|timed out waiting for|watchdog caught collective", re.I)
 STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP")
+# A hung rank's stacks (faulthandler) inside a collective call: it waits for a peer.
+WAITING = re.compile(r'distributed_c10d\.py", line \d+,? in \w+')
 _LIBRARY = re.compile(r"(?:site-packages|dist-packages|/lib/python3\.\d+/|<frozen |/trainer/(?:shim|usercode|"
                       r"resilience|fullrun|runtime|preload)\.py)")
 LINK_CONSEQUENCE, LINK_REPEAT = "consequence", "repeat"
@@ -90,7 +92,8 @@ def weight(f: Fault, r: Reading) -> int:
             return 50  # a rank that exited non-zero without saying why
         return 80
     if cls == FaultClass.HANG:
-        return 70
+        # A loop that stopped inside a collective waits for a peer; the one that stopped elsewhere is it.
+        return 25 if WAITING.search((f.message or "").split("Stacks of rank", 1)[-1]) else 70
     if cls == FaultClass.STALLED:
         return 65
     if cls == FaultClass.HEARTBEAT_LOST:
@@ -240,6 +243,8 @@ def _echo_words(f: Fault, r: Reading) -> str:
         return f"{who}: {lib} {what}"
     if f.fault_class == FaultClass.PROCESS_KILLED and r.signal in STOP_SIGNALS:
         return f"{who}: stopped ({r.signal})"
+    if f.fault_class == FaultClass.HANG and WAITING.search(f.message or ""):
+        return f"{who}: waiting in a collective"
     if r.exit_code is not None and r.signal is None:
         return f"{who}: exit {r.exit_code}"
     return f"{who}: {f.fault_class.replace('_', ' ')}"

@@ -164,6 +164,8 @@ class LocalLauncher:
             return PollResult(state="failed", reason=reason, faults=[fault])
         if self._process(job) is not None:
             return PollResult(state="running")
+        if exit_file.is_file():  # it ended between the two looks: its exit status is written now
+            return self.poll(job)
         reason = "the job's launcher process is gone without an exit status (killed, or the machine rebooted)"
         fault = LaunchFault(fault_class=FaultClass.PROCESS_KILLED, message=reason,
                             source_key=f"lost-a{st.get('attempt', 0)}")

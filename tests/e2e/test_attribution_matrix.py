@@ -1,0 +1,117 @@
+"""The attribution matrix on the local backend, with real processes (2 ranks, gloo): integration level
+(0, 1, 2) x injected failure x the rank it hits (0 and the last). The failure is injected by the script
+itself the way a real one happens (``matrix/inject.py``: no fault drill, no fact left for the product),
+so the control plane must find the cause from what the layers report. For every cell: exactly one
+primary fault, at the injected rank and of its class; every other fault linked to it.
+
+Slow (about a minute a cell on a quiet machine); one cell:
+
+    pytest tests/e2e/test_attribution_matrix.py -m slow -k "level1-sigkill-r1"
+
+``make bench-attribution`` runs the cells several times and reports the figures
+(``tests/bench/bench_attribution.py``; it sets ``MATRIX_RESULTS`` to collect one JSON line per run).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from controlplane.jobs import services
+from controlplane.jobs.models import Fault, Job, JobStatus
+from controlplane.jobs.spec import JobSpec
+from controlplane.launchers.local import LocalLauncher
+from controlplane.launchers.services import supervise_all
+from trainer.wire import FaultClass
+
+pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
+
+MATRIX = Path(__file__).resolve().parent / "matrix"
+WORLD = 2
+LEVELS = (0, 1, 2)
+FAILURES = ("sigkill", "exception", "hang", "sigkill_save", "exit137", "import")
+RANKS = (0, WORLD - 1)
+EXPECTED_CLASS = {"sigkill": FaultClass.PROCESS_KILLED, "exception": FaultClass.EXCEPTION,
+                  "hang": FaultClass.HANG, "sigkill_save": FaultClass.PROCESS_KILLED,
+                  "exit137": FaultClass.PROCESS_KILLED, "import": FaultClass.EXCEPTION}
+CELLS = [(lv, fl, rk) for lv in LEVELS for fl in FAILURES for rk in RANKS
+         if not (fl == "import" and rk != 0)]  # a script that cannot import fails on every rank alike
+CELL_IDS = [f"level{lv}-{fl}-r{rk}" for lv, fl, rk in CELLS]
+# ``make test`` runs one cell per failure, spread over the levels and ranks; MATRIX_FULL=1 (and the
+# benchmark) runs every cell.
+REPRESENTATIVE = {"level0-sigkill-r1", "level1-exception-r1", "level1-hang-r1", "level2-sigkill_save-r0",
+                  "level0-exit137-r1", "level2-import-r0", "level2-sigkill-r1"}
+FULL = os.environ.get("MATRIX_FULL") == "1"
+STEP = 25  # the injected failure's step (saves every 10: the save-time kill hits step 30's save)
+
+
+def run_cell(tmp_path: Path, level: int, failure: str, rank: int, *, timeout_s: float = 300) -> dict:
+    """One run of one cell: the job to its end, the attribution followed as the API shows it. Returns the
+    figures (see ``check``)."""
+    mark = tmp_path / "fired"
+    script = "broken.py" if failure == "import" else f"level{level}.py"
+    spec = JobSpec(entrypoint=str(MATRIX / script), working_dir=str(tmp_path), steps=60, procs_per_node=WORLD,
+                   checkpoint_interval=10, step_timeout_s=15.0 if level == 2 else 5.0, stall_timeout_s=60.0,
+                   heartbeat_interval_s=0.5,
+                   in_process=level == 2, env={"MATRIX_FAIL": failure, "MATRIX_RANK": str(rank),
+                                               "MATRIX_STEP": str(STEP), "MATRIX_MARK": str(mark)})
+    job = services.create_job(name=f"matrix level{level} {failure} r{rank}", spec=spec, created_by=None)
+    snapshot, changed_at = None, None
+    deadline = time.monotonic() + timeout_s
+    try:
+        while time.monotonic() < deadline:
+            supervise_all()
+            job.refresh_from_db()
+            now = (tuple(Fault.objects.filter(job=job).order_by("id").values_list("id", "primary_id", "link")))
+            if now != snapshot:
+                snapshot, changed_at = now, time.time()
+            if job.status in (JobStatus.SUCCEEDED, JobStatus.FAILED):
+                break
+            time.sleep(0.1)
+    finally:
+        job.refresh_from_db()
+        LocalLauncher().stop(job, grace_s=2.0)
+    injected_at = float(mark.read_text().split()[0]) if mark.exists() else None
+    if failure == "import":  # nothing fires it: the fault's own time stands in for the injection's
+        first = Fault.objects.filter(job=job).order_by("at").values_list("at", flat=True).first()
+        injected_at = first.timestamp() if first else None
+    started = injected_at
+    faults = list(Fault.objects.filter(job=job).order_by("at", "id"))
+    primaries = [f for f in faults if f.primary_id is None]
+    return {
+        "cell": f"level{level}-{failure}-r{rank}", "job": job.pk, "status": job.status,
+        "status_reason": job.status_reason, "injected": injected_at is not None,
+        "primaries": [(f.rank, f.fault_class, f.count) for f in primaries],
+        "faults": [(f.pk, f.rank, f.fault_class, f.primary_id, f.link, f.why, (f.message or "")[:200])
+                   for f in faults],
+        "primary_correct": len(primaries) == 1 and primaries[0].fault_class == EXPECTED_CLASS[failure]
+        and (failure == "import" or primaries[0].rank == rank),
+        "extra_faults": max(0, len(primaries) - 1),
+        "attribution_s": (max(0.0, changed_at - started) if started is not None and changed_at else None),
+        "log": LocalLauncher().log_tail(job, max_bytes=3000),
+    }
+
+
+@pytest.mark.parametrize(("level", "failure", "rank"), CELLS, ids=CELL_IDS)
+def test_the_primary_fault_names_the_injected_rank_and_class(e2e_settings, celery_beat_thread, tmp_path,
+                                                             level, failure, rank):
+    if not FULL and f"level{level}-{failure}-r{rank}" not in REPRESENTATIVE:
+        pytest.skip("the full matrix runs with MATRIX_FULL=1 (make bench-attribution runs it)")
+    out = run_cell(tmp_path, level, failure, rank)
+    if os.environ.get("MATRIX_RESULTS"):
+        with open(os.environ["MATRIX_RESULTS"], "a") as f:
+            f.write(json.dumps({k: v for k, v in out.items() if k != "log"}, default=str) + "\n")
+    why = json.dumps({k: out[k] for k in ("status", "status_reason", "primaries", "faults")}, default=str,
+                     indent=1) + "\n" + out["log"]
+    assert out["injected"], why
+    assert out["primary_correct"] and out["extra_faults"] == 0, why
+    job = Job.objects.get(pk=out["job"])
+    if failure == "import":
+        assert job.status == JobStatus.FAILED and "used up" not in job.status_reason, why
+        assert len(out["faults"]) == 1 and "ModuleNotFoundError" in out["faults"][0][6], why
+    else:
+        assert job.status == JobStatus.SUCCEEDED, why
