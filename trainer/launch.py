@@ -282,7 +282,7 @@ class LauncherHooks:
         remaining = agent._remaining_restarts
         round_ = spec.max_restarts - remaining
         if round_ in self._reported or self.cannot_start or self.policy is not None:
-            return  # the agent may look twice (UNHEALTHY, then FAILED, or after a launch-ending fault): one failure
+            return  # the agent may look twice (UNHEALTHY, then FAILED; after a fault that ends the launch)
         self._reported.add(round_)
         facts = take_fault(self.app_store, round_) or {}
         if facts.get("fatal"):
@@ -326,13 +326,14 @@ class LauncherHooks:
         cycle = cycle_key(attempt=self.attempt, restart_count=round_ + 1) if will_restart else None
         self.reporter.event(EventKind.FAULT, {
             "fault": fault, "cycle": cycle, "detected_by": "launcher", "rank": rank,
-            "interruption": f"exit {failures[own]['exitcode']}" + (f" {sig}" if sig else "") if own is not None
-            else result.state.name,
+            "interruption": (f"exit {failures[own]['exitcode']}" + (f" {sig}" if sig else "")
+                             if own is not None else result.state.name),
             "message": _with_stack(_with_traceback(facts.get("message") or desc, facts.get("traceback")), rank,
                                    stack),
             **({"step": facts["step"]} if facts.get("step") is not None else {})}, rank=rank)
         if not facts.get("fatal"):  # code that cannot start fails alike everywhere: one fault says it
-            workers = [w.global_rank for w in getattr(wg, "workers", ()) if getattr(w, "global_rank", None) is not None]
+            workers = [w.global_rank for w in getattr(wg, "workers", ())
+                       if getattr(w, "global_rank", None) is not None]
             self._report_peers(failures, round_, cycle, skip=rank, workers=workers,
                                since=detected_at - 2 * self.step_timeout_s - 5)
         if cycle:

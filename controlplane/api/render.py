@@ -85,7 +85,8 @@ def rank(f: figures.RankFigures, now: datetime) -> schema.Rank:
     )
 
 
-def fault(f: m.Fault, rank_nodes: dict[int, str] | None = None, *, summary: str | None = None) -> schema.Fault:
+def fault(f: m.Fault, rank_nodes: dict[int, str] | None = None, *,
+          summary: str | None = None) -> schema.Fault:
     fig = figures.fault_figures(f, rank_nodes=rank_nodes)
     if summary is None:
         summary = fault_evidence(f, rank_nodes=rank_nodes).summary

@@ -30,11 +30,13 @@ from django.db import transaction
 from django.utils import timezone
 
 from controlplane.jobs import evidence
-from controlplane.jobs.models import Fault, Job
+from controlplane.jobs.models import Event, Fault, Job
+from trainer.evidence import COLLECTIVE_FRAME
 from trainer.wire import FaultClass
 
 EPISODE_S = 15.0  # faults of no cycle this close to a member belong to its failure
-REPEAT_LOOKBACK = timedelta(hours=6)  # how far back a repeat looks for the run's first occurrence
+REPEAT_LOOKBACK = timedelta(hours=1)  # how far back a repeat looks for the run's first occurrence
+MAX_FAULTS = 2000  # faults one pass reads (the newest of its window)
 
 # An error a rank raises because a peer went away (or its collective timed out): an echo, not a cause.
 COMM_ERROR = re.compile(
@@ -42,13 +44,13 @@ COMM_ERROR = re.compile(
     r"DistNetworkError|DistBackendError|DistStoreError|ProcessGroup(?:Gloo|NCCL)|"
     r"collective operation timeout|Socket ?Timeout|timed out waiting for|watchdog caught collective", re.I)
 STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP")
-# A hung rank's stacks (faulthandler) inside a collective call: it waits for a peer.
-WAITING = re.compile(r'distributed_c10d\.py", line \d+,? in \w+')
+WAITING = COLLECTIVE_FRAME  # a hung rank's stacks inside a collective call: it waits for a peer
 _LIBRARY = re.compile(r"(?:site-packages|dist-packages|/lib/python3\.\d+/|<frozen |/trainer/(?:shim|usercode|"
                       r"resilience|fullrun|runtime|preload)\.py)")
 LINK_CONSEQUENCE, LINK_REPEAT = "consequence", "repeat"
 _POD = re.compile(r"\(node rank (\d+), (ranks [\d?]+(?:-\d+)?)")  # how ``launchers.pods`` names a pod
-_POD_WORDS = {FaultClass.OOM_KILLED: "OOM kill", FaultClass.EVICTED: "eviction", FaultClass.NODE_LOST: "lost node"}
+_POD_WORDS = {FaultClass.OOM_KILLED: "OOM kill", FaultClass.EVICTED: "eviction",
+              FaultClass.NODE_LOST: "lost node"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,10 +64,11 @@ class Reading:
     comm_error: bool
 
 
-def read(f: Fault) -> Reading:
+def read(f: Fault, data: dict | None = None) -> Reading:
+    """``data``: the data of the fault's event, when the caller read it already (``evidence.fault_data``)."""
     message = f.message or ""
     exc_type, exc_msg, frames = evidence.parse_traceback(message)
-    sig, code = evidence.kill_facts(f, evidence.fault_data(f), from_message=True)
+    sig, code = evidence.kill_facts(f, evidence.fault_data(f) if data is None else data, from_message=True)
     user = next((fr for fr in reversed(frames) if not _LIBRARY.search(fr.file)), None)
     head = message.split("\n", 1)[0][:600] + " " + (exc_type or "") + " " + (exc_msg or "")
     return Reading(signal=sig, exit_code=code, exception_type=exc_type,
@@ -119,7 +122,8 @@ def cause_words(f: Fault, r: Reading) -> str:
 
 def signature(f: Fault, r: Reading) -> tuple:
     """Two failures with the same signature on consecutive restarts are one failure, repeated."""
-    return (f.fault_class, r.exception_type, r.user_frame, r.signal, r.exit_code if r.signal is None else None,
+    return (f.fault_class, r.exception_type, r.user_frame, r.signal,
+            r.exit_code if r.signal is None else None,
             f.rank if f.fault_class != FaultClass.EXCEPTION else None)
 
 
@@ -181,10 +185,13 @@ def attribute(job: Job, around: Iterable[datetime] = (), *, now: datetime | None
     if times:
         span = timedelta(seconds=4 * EPISODE_S)
         qs = qs.filter(at__gte=times[0] - span - REPEAT_LOOKBACK, at__lte=times[-1] + span)
-    faults = list(qs[:5000])
+    faults = list(reversed(qs.reverse()[:MAX_FAULTS]))  # the newest, oldest first
     if not faults:
         return 0
-    readings = {f.pk: read(f) for f in faults}
+    ids = {f.source_key[6:]: f.pk for f in faults if f.source_key.startswith("event:")}
+    data = {ids[e]: d for e, d in Event.objects.filter(job=job, event_id__in=list(ids))
+            .values_list("event_id", "data")}
+    readings = {f.pk: read(f, data.get(f.pk, {})) for f in faults}
     want: dict[int, tuple[int | None, str, str, int]] = {}  # pk -> (primary, link, why, count)
     primaries: list[Fault] = []
     for g in episodes(faults):
@@ -239,7 +246,8 @@ def _echo_words(f: Fault, r: Reading) -> str:
     if r.comm_error:
         lib = "NCCL" if re.search(r"nccl", f.message or "", re.I) else "gloo" if re.search(
             r"gloo", f.message or "", re.I) else "communication"
-        what = "connection reset" if re.search(r"reset|closed|broken pipe", f.message or "", re.I) else "error"
+        reset = re.search(r"reset|closed|broken pipe", f.message or "", re.I)
+        what = "connection reset" if reset else "error"
         return f"{who}: {lib} {what}"
     if f.fault_class == FaultClass.PROCESS_KILLED and r.signal in STOP_SIGNALS:
         return f"{who}: stopped ({r.signal})"

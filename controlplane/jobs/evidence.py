@@ -199,7 +199,8 @@ def summary(f: Fault, fig: figures.FaultFigures, ev: Evidence) -> str:
 
 _PATH = re.compile(r"(/[\w.\-]+(?:/[\w.\-]+)+)")
 _SENDERS = (("drill", "a fault drill"), ("oom", "the kernel's OOM killer"),
-            ("restart command", "an operator's restart command"), ("stop command", "an operator's stop command"))
+            ("restart command", "an operator's restart command"),
+            ("stop command", "an operator's stop command"))
 
 
 def sender(f: Fault, ev: Evidence) -> str:
@@ -241,8 +242,8 @@ def attributed_summary(f: Fault, ev: Evidence, base: str) -> str:
     if echoes:
         words = [w.split(" — ", 1)[0] for w in echoes if " — " in w][:3]
         if words:
-            out += "; " + ", ".join(_echo_phrase(w) for w in words) + (" was" if len(words) == 1 else " were") \
-                   + " a consequence"
+            verb = " was" if len(words) == 1 else " were"
+            out += "; " + ", ".join(_echo_phrase(w) for w in words) + verb + " a consequence"
     return out + "."
 
 

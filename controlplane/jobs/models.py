@@ -352,7 +352,8 @@ class Fault(models.Model):
     # next restart, with no step progress between) points at it, with ``link`` saying which and ``why``
     # in words. ``count`` is a primary's occurrences (itself and its repeats). Revisited whenever a fault
     # of the same failure arrives (a killed rank's exit is seen after its peers' exceptions).
-    primary = models.ForeignKey("self", null=True, blank=True, on_delete=models.SET_NULL, related_name="echoes")
+    primary = models.ForeignKey("self", null=True, blank=True, on_delete=models.SET_NULL,
+                                related_name="echoes")
     link = models.CharField(max_length=12, blank=True, choices=[("consequence", "consequence"),
                                                                 ("repeat", "repeat")])
     why = models.CharField(max_length=300, blank=True)

@@ -5,8 +5,9 @@ backend, each cell run several times with real processes.
 
 Per run: whether the primary fault names the injected rank and class (``primary_correct``, the share of
 runs), the primary faults beyond one per injected failure (``extra_faults``, summed), and the seconds from
-the injected failure to the moment the API shows its final attribution (``attribution_s``; a run with no
-figure counts as infinitely slow). Percentiles are nearest-rank. Last line exactly:
+the injected failure to the moment the API shows its final attribution (``attribution_s``; for a hang,
+from the moment the job's step timeout makes it a failure; a run with no figure counts as infinitely
+slow). Percentiles are nearest-rank. Last line exactly:
 
     cells=<N> runs=<R> primary_correct=<P> extra_faults=<E> attribution_p95_s=<S>
 
@@ -50,7 +51,8 @@ def summarise(rows: list[dict]) -> dict:
     cells = {r["cell"] for r in rows}
     times = [r["attribution_s"] if r.get("attribution_s") is not None else math.inf for r in rows]
     return {"cells": len(cells), "runs": len(rows),
-            "primary_correct": round(sum(1 for r in rows if r["primary_correct"]) / len(rows), 3) if rows else 0.0,
+            "primary_correct": round(sum(1 for r in rows if r["primary_correct"]) / len(rows), 3)
+            if rows else 0.0,
             "extra_faults": sum(int(r["extra_faults"]) for r in rows),
             "attribution_p95_s": nearest_rank(times, 95)}
 
@@ -58,7 +60,8 @@ def summarise(rows: list[dict]) -> dict:
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--runs", type=int, default=3, help="runs of each cell (at least 3 for the figure)")
-    p.add_argument("--cells", default="", help="comma-separated cell ids (level<L>-<failure>-r<rank>); all by default")
+    p.add_argument("--cells", default="",
+                   help="comma-separated cell ids (level<L>-<failure>-r<rank>); all by default")
     args = p.parse_args()
     known = all_cells()
     cells = [c.strip() for c in args.cells.split(",") if c.strip()] or known
@@ -73,8 +76,8 @@ def main() -> int:
         ids = [f"{MODULE}::{TEST}[{c}]" for c in cells]
         for i in range(args.runs):
             print(f"run {i + 1} of {args.runs}: {len(ids)} cells", flush=True)
-            subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "slow", "-p", "no:cacheprovider", *ids],
-                           cwd=ROOT, env=env, check=False)
+            subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "slow", "-p", "no:cacheprovider",
+                            *ids], cwd=ROOT, env=env, check=False)
         rows = [json.loads(line) for line in results.read_text().splitlines()] if results.exists() else []
     for r in rows:
         print(f"{r['cell']}: primary_correct={r['primary_correct']} primaries={r['primaries']} "

@@ -49,7 +49,8 @@ FULL = os.environ.get("MATRIX_FULL") == "1"
 STEP = 25  # the injected failure's step (saves every 10: the save-time kill hits step 30's save)
 
 
-def run_cell(tmp_path: Path, level: int, failure: str, rank: int, *, timeout_s: float = 300) -> dict:
+def run_cell(tmp_path: Path, level: int, failure: str, rank: int, *, timeout_s: float = 300,
+             env: dict[str, str] | None = None, **spec_fields) -> dict:
     """One run of one cell: the job to its end, the attribution followed as the API shows it. Returns the
     figures (see ``check``)."""
     mark = tmp_path / "fired"
@@ -57,8 +58,10 @@ def run_cell(tmp_path: Path, level: int, failure: str, rank: int, *, timeout_s: 
     spec = JobSpec(entrypoint=str(MATRIX / script), working_dir=str(tmp_path), steps=60, procs_per_node=WORLD,
                    checkpoint_interval=10, step_timeout_s=15.0 if level == 2 else 5.0, stall_timeout_s=60.0,
                    heartbeat_interval_s=0.5,
-                   in_process=level == 2, env={"MATRIX_FAIL": failure, "MATRIX_RANK": str(rank),
-                                               "MATRIX_STEP": str(STEP), "MATRIX_MARK": str(mark)})
+                   in_process=level == 2,
+                   env={"MATRIX_FAIL": failure, "MATRIX_RANK": str(rank), "MATRIX_STEP": str(STEP),
+                        "MATRIX_MARK": str(mark), **(env or {})},
+                   **spec_fields)
     job = services.create_job(name=f"matrix level{level} {failure} r{rank}", spec=spec, created_by=None)
     snapshot, changed_at = None, None
     deadline = time.monotonic() + timeout_s
@@ -66,7 +69,7 @@ def run_cell(tmp_path: Path, level: int, failure: str, rank: int, *, timeout_s: 
         while time.monotonic() < deadline:
             supervise_all()
             job.refresh_from_db()
-            now = (tuple(Fault.objects.filter(job=job).order_by("id").values_list("id", "primary_id", "link")))
+            now = tuple(Fault.objects.filter(job=job).order_by("id").values_list("id", "primary_id", "link"))
             if now != snapshot:
                 snapshot, changed_at = now, time.time()
             if job.status in (JobStatus.SUCCEEDED, JobStatus.FAILED):
@@ -79,7 +82,11 @@ def run_cell(tmp_path: Path, level: int, failure: str, rank: int, *, timeout_s: 
     if failure == "import":  # nothing fires it: the fault's own time stands in for the injection's
         first = Fault.objects.filter(job=job).order_by("at").values_list("at", flat=True).first()
         injected_at = first.timestamp() if first else None
+    # A hang becomes a failure when the job's step timeout says so: the clock starts there, not at the
+    # moment the loop stopped (detection is its own figure: make bench-recovery).
     started = injected_at
+    if injected_at is not None and failure == "hang":
+        started = injected_at + spec.step_timeout_s
     faults = list(Fault.objects.filter(job=job).order_by("at", "id"))
     primaries = [f for f in faults if f.primary_id is None]
     return {
@@ -115,3 +122,22 @@ def test_the_primary_fault_names_the_injected_rank_and_class(e2e_settings, celer
         assert len(out["faults"]) == 1 and "ModuleNotFoundError" in out["faults"][0][6], why
     else:
         assert job.status == JobStatus.SUCCEEDED, why
+
+
+def test_a_torn_checkpoint_at_level1_is_one_folded_fault_whose_summary_names_the_load(
+        e2e_settings, celery_beat_thread, tmp_path):
+    """Rank 1 is killed while step 30 is being saved; the script's own resume then loads that torn save
+    on every restart: one fault for the kill, and one for the load, counted, not one per restart."""
+    from controlplane.jobs.evidence import fault_evidence
+
+    out = run_cell(tmp_path, 1, "sigkill_save", 1, env={"MATRIX_NAIVE_RESUME": "1"}, job_restart=False,
+                   max_in_job_restarts=3, storm_restarts=3)
+    why = json.dumps({k: out[k] for k in ("status", "status_reason", "primaries", "faults")}, default=str,
+                     indent=1) + "\n" + out["log"]
+    assert out["status"] == JobStatus.FAILED, why
+    roots = list(Fault.objects.filter(job_id=out["job"], primary__isnull=True).select_related("cycle"))
+    folded = [f for f in roots if f.count >= 2]
+    assert len(folded) == 1 and len(roots) <= 2, why
+    summary = fault_evidence(folded[0]).summary
+    assert summary.startswith("Every restart fails the same way while loading a checkpoint"), summary
+    assert "step_30" in summary, summary

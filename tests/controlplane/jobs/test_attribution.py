@@ -27,7 +27,8 @@ LOAD_FAILS = ("CheckpointException('no metadata')\n\nTraceback (most recent call
               '  File "/home/u/train.py", line 41, in resume\n    dcp.load(state, checkpoint_id=path)\n'
               '  File "/venv/lib/python3.11/site-packages/torch/distributed/checkpoint/state_dict_loader.py",'
               " line 172, in load\n    _load_state_dict(\n"
-              "torch.distributed.checkpoint.api.CheckpointException: reading /data/ckpt/step-100: no metadata")
+              "torch.distributed.checkpoint.api.CheckpointException: reading /data/ckpt/step-100: "
+              "no metadata")
 
 
 def record(job, events):
@@ -73,11 +74,13 @@ def test_an_exception_that_is_not_a_peers_echo_is_the_cause_and_the_stopped_peer
     t = time.time() - 5
     boom = ('ValueError(\'bad batch\')\n\nTraceback (most recent call last):\n  File "/home/u/train.py", '
             "line 12, in step\n    raise ValueError('bad batch')\nValueError: bad batch")
-    record(job, [fault_ev("a", 0, "process_killed", "rank 0: exit -15 (SIGTERM)", at=t, interruption="exit -15 SIGTERM"),
+    record(job, [fault_ev("a", 0, "process_killed", "rank 0: exit -15 (SIGTERM)", at=t,
+                          interruption="exit -15 SIGTERM"),
                  fault_ev("b", 1, "exception", boom, at=t + 1, interruption="exit 1")])
     (p,) = primaries(job)
     assert (p.rank, p.fault_class) == (1, "exception")
-    assert Fault.objects.get(job=job, rank=0).why == "rank 0: stopped (SIGTERM) — a consequence of rank 1's ValueError"
+    why = Fault.objects.get(job=job, rank=0).why
+    assert why == "rank 0: stopped (SIGTERM) — a consequence of rank 1's ValueError"
 
 
 def test_a_hang_is_the_cause_of_its_peers_collective_timeout():
@@ -85,7 +88,8 @@ def test_a_hang_is_the_cause_of_its_peers_collective_timeout():
     t = time.time() - 60
     record(job, [fault_ev("p", 0, "exception", "RuntimeError('[gloo] Timed out waiting 30000ms for recv')",
                           at=t + 30, interruption="exit 1")])
-    record(job, [fault_ev("h", 1, "hang", "rank 1: no heartbeat for 30 s", at=t, interruption="exit -9 SIGKILL")])
+    record(job, [fault_ev("h", 1, "hang", "rank 1: no heartbeat for 30 s", at=t,
+                          interruption="exit -9 SIGKILL")])
     (p,) = primaries(job)
     assert (p.rank, p.fault_class) == (1, "hang")
 
@@ -97,7 +101,8 @@ def test_the_in_process_and_the_in_job_report_of_one_kill_are_one_fault():
                           interruption="TERMINATED", by="in_process")])
     record(job, [fault_ev("ij", 1, "process_killed", "rank 1: exit -9 (SIGKILL)", cycle="a0-ij1", at=t + 2,
                           interruption="exit -9 SIGKILL"),
-                 fault_ev("ij0", 0, "exception", GLOO_RESET, cycle="a0-ij1", at=t + 2.5, interruption="exit 1")])
+                 fault_ev("ij0", 0, "exception", GLOO_RESET, cycle="a0-ij1", at=t + 2.5,
+                          interruption="exit 1")])
     (p,) = primaries(job)
     assert p.rank == 1
     whys = sorted(Fault.objects.filter(job=job, primary=p).values_list("why", flat=True))
@@ -108,7 +113,8 @@ def test_the_same_failure_on_consecutive_restarts_is_one_fault_with_a_count_nami
     job, _ = make_job(spec={"procs_per_node": 2})
     t = time.time() - 100
     for i in range(1, 6):
-        record(job, [fault_ev(f"l{i}", 1, "exception", LOAD_FAILS, cycle=f"a0-ij{i}", at=t + 20 * i, step=100),
+        record(job, [fault_ev(f"l{i}", 1, "exception", LOAD_FAILS, cycle=f"a0-ij{i}", at=t + 20 * i,
+                              step=100),
                      fault_ev(f"e{i}", 0, "exception", GLOO_RESET, cycle=f"a0-ij{i}", at=t + 20 * i + 0.1,
                               step=100)])
     (root,) = primaries(job)
@@ -116,8 +122,9 @@ def test_the_same_failure_on_consecutive_restarts_is_one_fault_with_a_count_nami
     assert Fault.objects.filter(job=job, primary=root, link="repeat").count() == 4
     assert Fault.objects.filter(job=job, primary=root, link="consequence").count() == 5
     s = evidence.fault_evidence(Fault.objects.select_related("cycle").get(pk=root.pk)).summary
-    assert s.startswith("Every restart fails the same way while loading a checkpoint (5 times): the resume itself "
-                        "fails (torch.distributed.checkpoint.api.CheckpointException reading /data/ckpt/step-100")
+    assert s.startswith("Every restart fails the same way while loading a checkpoint (5 times): the resume "
+                        "itself fails (torch.distributed.checkpoint.api.CheckpointException reading "
+                        "/data/ckpt/step-100")
 
 
 def test_failures_with_progress_between_them_or_that_differ_stay_apart():
@@ -170,10 +177,12 @@ def test_a_restart_storm_names_the_fault_it_repeats():
     for i in range(1, 4):
         record(job, [ev(f"c{i}", "cycle", {"cycle": f"a0-ij{i}", "mark": "fault_at", "layer": "in_job"},
                         at=t + 20 * i),
-                     fault_ev(f"l{i}", 1, "exception", LOAD_FAILS, cycle=f"a0-ij{i}", at=t + 20 * i, step=100)])
+                     fault_ev(f"l{i}", 1, "exception", LOAD_FAILS, cycle=f"a0-ij{i}", at=t + 20 * i,
+                              step=100)])
     assert RestartCycle.objects.filter(job=job).count() == 3
     supervision.stop_storms()
     job.refresh_from_db()
     root = primaries(job)[0]
     assert job.status == "failed"
-    assert f"3 times: fault {root.pk} (exception on rank 1: CheckpointException('no metadata'))" in job.status_reason
+    named = f"3 times: fault {root.pk} (exception on rank 1: CheckpointException('no metadata'))"
+    assert named in job.status_reason

@@ -15,7 +15,8 @@ import inject  # noqa: E402
 
 
 def latest(d: str) -> int | None:
-    done = [int(n[5:]) for n in os.listdir(d) if n.startswith("step_") and os.path.exists(os.path.join(d, n, "DONE"))]
+    done = [int(n[5:]) for n in os.listdir(d)
+            if n.startswith("step_") and os.path.exists(os.path.join(d, n, "DONE"))]
     return max(done) if done else None
 
 

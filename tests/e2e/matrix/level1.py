@@ -16,7 +16,11 @@ import inject  # noqa: E402
 
 
 def latest(d: str) -> int | None:
-    done = [int(n[5:]) for n in os.listdir(d) if n.startswith("step_") and os.path.exists(os.path.join(d, n, "DONE"))]
+    """The newest finished save; MATRIX_NAIVE_RESUME=1: the newest directory, finished or not (a torn save
+    is then loaded on every restart)."""
+    naive = os.environ.get("MATRIX_NAIVE_RESUME") == "1"
+    done = [int(n[5:]) for n in os.listdir(d) if n.startswith("step_")
+            and (naive or os.path.exists(os.path.join(d, n, "DONE")))]
     return max(done) if done else None
 
 

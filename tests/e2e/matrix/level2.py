@@ -1,4 +1,5 @@
-"""Level 2: the same training as an SDK entrypoint (re-entered by every restart; the product's async saves)."""
+"""Level 2: the same training as an SDK entrypoint (re-entered by every restart; the product's async
+saves)."""
 
 import argparse
 import os
