@@ -218,8 +218,10 @@ def sender(f: Fault, ev: Evidence) -> str:
 
 def loading(ev: Evidence) -> bool:
     """The exception came from loading a checkpoint (the resume itself failed)."""
-    return (ev.exception_type or "").endswith("CheckpointException") or any(
-        "load" in fr.function.lower() or "load" in fr.code.lower() for fr in ev.frames[-3:])
+    said = f"{ev.exception_type or ''} {ev.exception_message or ''}".lower()
+    return "checkpoint" in said or "metadata" in said or any(
+        "load" in fr.function.lower() or "load" in fr.code.lower() or "restore" in fr.function.lower()
+        for fr in ev.frames)
 
 
 def attributed_summary(f: Fault, ev: Evidence, base: str) -> str:
@@ -231,9 +233,10 @@ def attributed_summary(f: Fault, ev: Evidence, base: str) -> str:
         return f"The same failure as fault {f.primary_id}, again on the next restart. {base}"
     out = base.rstrip(".")
     if f.count > 1 and ev.exception_type and loading(ev):
-        where = _PATH.search(f"{ev.exception_message or ''} {ev.message}")
+        paths = _PATH.findall(f"{ev.exception_message or ''} {ev.message}")
+        where = next((p for p in paths if re.search(r"step|ckpt|checkpoint", p, re.I)), None)
         out = (f"Every restart fails the same way while loading a checkpoint ({f.count} times): the resume "
-               f"itself fails ({ev.exception_type}" + (f" reading {where.group(1)}" if where else "")
+               f"itself fails ({ev.exception_type}" + (f" reading {where}" if where else "")
                + (f": {ev.exception_message[:120]}" if ev.exception_message else "") + "). " + out)
     elif f.count > 1:
         out += f"; the same failure happened {f.count} times on consecutive restarts"

@@ -7,7 +7,6 @@ drill, no fact recorded for the product; the control plane must attribute it fro
 
 import os
 import signal
-import threading
 import time
 
 KIND = os.environ.get("MATRIX_FAIL", "")
@@ -41,7 +40,8 @@ def at_step(step: int, rank: int) -> None:
 
 
 def during_save(step: int, rank: int) -> None:
-    """Just before a save starts: SIGKILL this rank while it writes (from a timer, mid-write)."""
+    """In a save (Level 0/1: as it starts, so its peers write their part and wait for this rank's, leaving
+    the step's directory without its metadata: a torn save; Level 2: while the async save writes)."""
     if step < STEP or not _claim(rank, ("sigkill_save",)):
         return
-    threading.Timer(0.02, os.kill, (os.getpid(), signal.SIGKILL)).start()
+    os.kill(os.getpid(), signal.SIGKILL)
