@@ -34,7 +34,7 @@ TARGET_P95_S = 3.0
 
 
 def all_cells() -> list[str]:
-    from tests.e2e.test_attribution_matrix import CELL_IDS
+    from tests.e2e.matrix.cells import CELL_IDS
 
     return list(CELL_IDS)
 

@@ -26,24 +26,18 @@ from controlplane.jobs.models import Fault, Job, JobStatus
 from controlplane.jobs.spec import JobSpec
 from controlplane.launchers.local import LocalLauncher
 from controlplane.launchers.services import supervise_all
+from tests.e2e.matrix.cells import CELL_IDS, CELLS, WORLD
 from trainer.wire import FaultClass
 
 pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 
 MATRIX = Path(__file__).resolve().parent / "matrix"
-WORLD = 2
-LEVELS = (0, 1, 2)
-FAILURES = ("sigkill", "exception", "hang", "sigkill_save", "exit137", "import")
-RANKS = (0, WORLD - 1)
 EXPECTED_CLASS = {"stall": FaultClass.STALLED, "sigkill": FaultClass.PROCESS_KILLED, "exception": FaultClass.EXCEPTION,
                   "hang": FaultClass.HANG, "sigkill_save": FaultClass.PROCESS_KILLED,
                   "exit137": FaultClass.PROCESS_KILLED, "import": FaultClass.EXCEPTION}
-CELLS = [(lv, fl, rk) for lv in LEVELS for fl in FAILURES for rk in RANKS
-         if not (fl == "import" and rk != 0)]  # a script that cannot import fails on every rank alike
 # Level 0 has no hang detection but the watchdog's stall (nothing beats for the loop): the primary is a
 # ``stalled`` fault, and with only rank 0 printing steps, the ranks' progress cannot tell the hung one.
 LEVEL0_HANG = "Level 0: a hang is only a stall, and no rank's own progress tells the hung one (known limit)"
-CELL_IDS = [f"level{lv}-{fl}-r{rk}" for lv, fl, rk in CELLS]
 # ``make test`` runs one cell per failure, spread over the levels and ranks; MATRIX_FULL=1 (and the
 # benchmark) runs every cell.
 REPRESENTATIVE = {"level0-sigkill-r1", "level1-exception-r1", "level1-hang-r1", "level2-sigkill_save-r0",
