@@ -186,3 +186,17 @@ def test_a_restart_storm_names_the_fault_it_repeats():
     assert job.status == "failed"
     named = f"3 times: fault {root.pk} (exception on rank 1: CheckpointException('no metadata'))"
     assert named in job.status_reason
+
+
+def test_code_that_cannot_start_fails_the_job_without_counting_job_level_restarts(tmp_path):
+    """The local launcher's exit status 3: one fault (the rank's traceback, from ft_launcher's hook), and a
+    reason that does not say job-level restarts were used up (none was: a relaunch would fail alike)."""
+    job, _ = make_job(spec={"procs_per_node": 2, "max_job_restarts": 3})
+    (tmp_path / "exit-0").write_text("3\n")
+    Job.objects.filter(pk=job.pk).update(launcher_state={"pid": 0, "exit_file": str(tmp_path / "exit-0"),
+                                                         "attempt": 0})
+    job.refresh_from_db()
+    assert services.supervise_job(job=job) == "failed"
+    job.refresh_from_db()
+    assert job.status == "failed" and "used up" not in job.status_reason, job.status_reason
+    assert job.attempt == 0 and not Fault.objects.filter(job=job).exists()
