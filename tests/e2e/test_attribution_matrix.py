@@ -68,7 +68,8 @@ def run_cell(tmp_path: Path, level: int, failure: str, rank: int, *, timeout_s: 
                         "MATRIX_MARK": str(mark), **(env or {})},
                    **spec_fields)
     job = services.create_job(name=f"matrix level{level} {failure} r{rank}", spec=spec, created_by=None)
-    snapshot, changed_at = None, None
+    snapshot, changed_at = None, None  # every fault's link: settled when it last changed
+    primary, primary_at = None, None  # the primary faults: the attribution, final when it last changed
     deadline = time.monotonic() + timeout_s
     try:
         while time.monotonic() < deadline:
@@ -77,6 +78,9 @@ def run_cell(tmp_path: Path, level: int, failure: str, rank: int, *, timeout_s: 
             now = tuple(Fault.objects.filter(job=job).order_by("id").values_list("id", "primary_id", "link"))
             if now != snapshot:
                 snapshot, changed_at = now, time.time()
+            top = tuple(f for f in now if f[1] is None)
+            if top != primary:
+                primary, primary_at = top, time.time()
             if job.status in (JobStatus.SUCCEEDED, JobStatus.FAILED):
                 break
             if stall_only and changed_at and snapshot and time.time() - changed_at > 5:
@@ -111,7 +115,8 @@ def run_cell(tmp_path: Path, level: int, failure: str, rank: int, *, timeout_s: 
         and primaries[0].fault_class == EXPECTED_CLASS["stall" if stall_only else failure]
         and (failure == "import" or primaries[0].rank == rank),
         "extra_faults": max(0, len(primaries) - 1),
-        "attribution_s": (max(0.0, changed_at - started) if started is not None and changed_at else None),
+        "attribution_s": (max(0.0, primary_at - started) if started is not None and primary_at else None),
+        "settled_s": (max(0.0, changed_at - started) if started is not None and changed_at else None),
         "log": LocalLauncher().log_tail(job, max_bytes=3000),
     }
 
