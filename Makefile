@@ -12,8 +12,12 @@ export PYTHONPATH := $(CURDIR)
 NVRX_NEXT := 0.6.0
 NVRX_NEXT_SITE := $(CURDIR)/.nvrx/$(NVRX_NEXT)/site
 NVRX_WHEEL_TAGS := --only-binary=:all: --platform manylinux_2_39_x86_64 --python-version 3.11 --implementation cp
+# And the third (docs/concepts/faults.md compares its attribution with ours): its wheel is tagged cp312 only.
+NVRX_THIRD := 0.7.0
+NVRX_THIRD_SITE := $(CURDIR)/.nvrx/$(NVRX_THIRD)/site
+NVRX_THIRD_TAGS := --only-binary=:all: --platform manylinux_2_39_x86_64 --python-version 3.12 --implementation cp
 
-.PHONY: up install nvrx-next test test-nvrx-next test-fast bench-ingest bench-fleet bench-recovery bench-checkpoint bench-dashboard bench-sdk bench-chaos bench-straggler k8s-e2e clean
+.PHONY: up install nvrx-next nvrx-third test test-nvrx-next test-nvrx-third test-fast bench-ingest bench-fleet bench-recovery bench-checkpoint bench-dashboard bench-sdk bench-chaos bench-straggler bench-attribution k8s-e2e clean
 
 $(VENV)/.installed: requirements.lock trainer/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -40,6 +44,19 @@ $(NVRX_NEXT_SITE)/.installed: requirements-nvrx-0.6.lock $(VENV)/.installed
 
 nvrx-next: $(NVRX_NEXT_SITE)/.installed
 
+# NVRx $(NVRX_THIRD) the same way (see requirements-nvrx-0.7.lock): a cp312-only wheel whose layers are pure
+# Python, so pip is told Python 3.12; they import on 3.11.
+$(NVRX_THIRD_SITE)/.installed: requirements-nvrx-0.7.lock $(VENV)/.installed
+	rm -rf $(dir $(NVRX_THIRD_SITE)) && mkdir -p $(NVRX_THIRD_SITE)
+	$(VENV)/bin/pip download -q --no-deps $(NVRX_THIRD_TAGS) -d $(dir $(NVRX_THIRD_SITE))wheel \
+		nvidia-resiliency-ext==$(NVRX_THIRD)
+	$(VENV)/bin/pip install -q --no-deps $(NVRX_THIRD_TAGS) --target $(NVRX_THIRD_SITE) \
+		$(dir $(NVRX_THIRD_SITE))wheel/nvidia_resiliency_ext-$(NVRX_THIRD)-*.whl
+	$(VENV)/bin/pip install -q --no-deps --target $(NVRX_THIRD_SITE) -r requirements-nvrx-0.7.lock
+	touch $@
+
+nvrx-third: $(NVRX_THIRD_SITE)/.installed
+
 $(DATA)/secret_key:
 	mkdir -p $(DATA)
 	umask 077; $(PYTHON) -c 'import secrets; print(secrets.token_urlsafe(50))' > $@
@@ -50,14 +67,20 @@ up: install $(DATA)/secret_key
 	$(PY) manage.py ensure_operator
 	$(PY) manage.py serve
 
-test: install nvrx-next $(DATA)/secret_key
+test: install nvrx-next nvrx-third $(DATA)/secret_key
 	$(PY) -m pytest
 	$(MAKE) --no-print-directory test-nvrx-next
+	$(MAKE) --no-print-directory test-nvrx-third
 
 # The trainer's NVRx tests (marked nvrx) again, with NVRx $(NVRX_NEXT) ahead of the .venv's 0.4.1.
 test-nvrx-next: install nvrx-next $(DATA)/secret_key
 	PYTHONPATH=$(NVRX_NEXT_SITE):$(CURDIR) $(PY) -m pytest -m nvrx -p no:cacheprovider \
 		|| { echo "FAILED: the trainer's NVRx tests with nvidia-resiliency-ext $(NVRX_NEXT)"; exit 1; }
+
+# The same with NVRx $(NVRX_THIRD).
+test-nvrx-third: install nvrx-third $(DATA)/secret_key
+	PYTHONPATH=$(NVRX_THIRD_SITE):$(CURDIR) $(PY) -m pytest -m nvrx -p no:cacheprovider \
+		|| { echo "FAILED: the trainer's NVRx tests with nvidia-resiliency-ext $(NVRX_THIRD)"; exit 1; }
 
 test-fast: install $(DATA)/secret_key
 	$(PY) -m pytest -m "not slow"
@@ -86,6 +109,10 @@ bench-chaos: install $(DATA)/secret_key
 
 bench-straggler: install $(DATA)/secret_key
 	$(PY) tests/bench/bench_straggler.py
+
+# The attribution matrix, each cell 3 times (ARGS="--cells level0-sigkill-r1,level2-hang-r1 --runs 3" for a subset).
+bench-attribution: install $(DATA)/secret_key
+	$(PY) tests/bench/bench_attribution.py $(ARGS)
 
 k8s-e2e: install $(DATA)/secret_key
 	$(PY) -m pytest tests/k8s_e2e -m k8s_e2e -v

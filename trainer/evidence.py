@@ -7,6 +7,7 @@ is never paused (``make bench-straggler`` measures the step time it adds, ``evid
 
 from __future__ import annotations
 
+import re
 import sys
 import threading
 import traceback
@@ -14,6 +15,13 @@ import traceback
 from trainer.wire import MAX_EVIDENCE_CHARS, redact
 
 MAX_FRAMES = 12
+# A stack (traceback's or faulthandler's format) inside a collective call: the rank waits for a peer. Of the
+# ranks of a hang, the one whose loop stopped elsewhere is the hung one.
+COLLECTIVE_FRAME = re.compile(r'distributed_c10d\.py", line \d+,? in \w+')
+
+
+def in_collective(stack: str) -> bool:
+    return bool(COLLECTIVE_FRAME.search(stack))
 
 
 def _cap(text: str) -> str:

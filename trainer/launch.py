@@ -230,7 +230,7 @@ class LauncherHooks:
         # A rule said this failure is not restarted in-job: no more rounds; the launch fails (EXIT_POLICY_STOP
         # for stop and stop_keep, so the control plane does not relaunch; status 1 for restart_job, so it does).
         self.policy: Decision | None = None
-        self._reported: set[tuple[int, str]] = set()
+        self._reported: set[int] = set()
 
     def install(self, agent_cls: Any) -> None:
         hooks = self
@@ -281,15 +281,15 @@ class LauncherHooks:
         spec = wg.spec
         remaining = agent._remaining_restarts
         round_ = spec.max_restarts - remaining
-        if (round_, result.state.name) in self._reported:  # the agent may look twice before giving up
-            return
-        self._reported.add((round_, result.state.name))
+        if round_ in self._reported or self.cannot_start or self.policy is not None:
+            return  # the agent may look twice (UNHEALTHY, then FAILED; after a fault that ends the launch)
+        self._reported.add(round_)
         facts = take_fault(self.app_store, round_) or {}
         if facts.get("fatal"):
             # The same code fails the same way in every round: end the launch now.
             self.cannot_start = True
             agent._remaining_restarts = remaining = 0
-        failures = {int(r): {"exitcode": f.exitcode, "signal": f.signal_name(), "pid": f.pid,
+        failures = {int(r): {"exitcode": f.exitcode, "signal": _signal_of(f.exitcode), "pid": f.pid,
                              "local_rank": f.local_rank} for r, f in result.failures.items()}
         desc = ", ".join(f"rank {r}: exit {f['exitcode']}" + (f" ({f['signal']})" if f["signal"] else "")
                          for r, f in sorted(failures.items())) or "no exit (rank monitor reported the group)"
@@ -316,7 +316,8 @@ class LauncherHooks:
             return
         first = min(failures) if failures else None
         rank = facts.get("rank", first)
-        sig = failures.get(first, {}).get("signal") if first is not None else None
+        own = rank if rank in failures else first  # the exit of the rank whose facts these are
+        sig = failures.get(own, {}).get("signal") if own is not None else None
         # A rank whose loop stopped beating wrote its stacks (PacedFt) before ft_launcher's timeout ended it.
         stack = read_hang_stack(self.run_dir, rank, since=detected_at - 2 * self.step_timeout_s - 5) \
             if self.run_dir and type(rank) is int else ""
@@ -325,17 +326,47 @@ class LauncherHooks:
         cycle = cycle_key(attempt=self.attempt, restart_count=round_ + 1) if will_restart else None
         self.reporter.event(EventKind.FAULT, {
             "fault": fault, "cycle": cycle, "detected_by": "launcher", "rank": rank,
-            "interruption": f"exit {failures[first]['exitcode']}" + (f" {sig}" if sig else "") if first is not None
-            else result.state.name,
+            "interruption": (f"exit {failures[own]['exitcode']}" + (f" {sig}" if sig else "")
+                             if own is not None else result.state.name),
             "message": _with_stack(_with_traceback(facts.get("message") or desc, facts.get("traceback")), rank,
                                    stack),
             **({"step": facts["step"]} if facts.get("step") is not None else {})}, rank=rank)
+        if not facts.get("fatal"):  # code that cannot start fails alike everywhere: one fault says it
+            workers = [w.global_rank for w in getattr(wg, "workers", ())
+                       if getattr(w, "global_rank", None) is not None]
+            self._report_peers(failures, round_, cycle, skip=rank, workers=workers,
+                               since=detected_at - 2 * self.step_timeout_s - 5)
         if cycle:
             self.restarting_cycle = cycle
             if facts.get("at"):
                 self.mark(cycle, CycleMark.FAULT, at=float(facts["at"]), step=facts.get("step"))
             self.mark(cycle, CycleMark.DETECTED, at=detected_at)
 
+
+    def _report_peers(self, failures: dict[int, dict], round_: int, cycle: str | None, *, skip: Any,
+                      workers: list[int] = (), since: float = 0.0) -> None:
+        """A fault per other failed rank, with its own exit, facts and (a loop that stopped beating) its
+        stacks, and per rank of this node that did not fail but whose loop stopped beating: the control
+        plane decides which rank's failure the others echo (a killed rank's exit beside its peers' gloo
+        errors; a hung rank beside the peers that wait for it in a collective)."""
+        for r in sorted(set(failures) | set(workers)):
+            if r == skip:
+                continue
+            f = failures.get(r)
+            stack = read_hang_stack(self.run_dir, r, since=since) if self.run_dir else ""
+            if f is None and not stack:
+                continue  # alive, and its loop beat: ft_launcher stops it with the group
+            own = take_fault(self.app_store, round_, r) or {}
+            code, sig = (f["exitcode"], f["signal"]) if f is not None else (None, None)
+            exit_words = f"exit {code}" + (f" ({sig})" if sig else "") if f is not None else "no exit yet"
+            fault = own.get("fault") or (FaultClass.HANG if stack else FaultClass.PROCESS_KILLED
+                                         if sig or (code or 0) >= 128 else FaultClass.EXCEPTION)
+            self.reporter.event(EventKind.FAULT, {
+                "fault": fault, "cycle": cycle, "detected_by": "launcher", "rank": r,
+                "interruption": f"exit {code}" + (f" {sig}" if sig else "") if f is not None else None,
+                "message": _with_stack(_with_traceback(own.get("message") or f"rank {r}: {exit_words}",
+                                                       own.get("traceback")), r, stack),
+                **({"step": own["step"]} if own.get("step") is not None else {})}, rank=r)
 
     def _policy(self, failures: dict[int, dict], facts: dict) -> Decision | None:
         """The written rule that says this round's failure must not be restarted in-job
@@ -356,6 +387,17 @@ class LauncherHooks:
             if d is not None:
                 return d
         return None
+
+
+def _signal_of(exitcode: int | None) -> str | None:
+    """The signal that ended a worker (torchelastic's negative exit code), or None (its ``signal_name()``
+    says "<N/A>" then)."""
+    if exitcode is None or exitcode >= 0:
+        return None
+    try:
+        return signal.Signals(-exitcode).name
+    except ValueError:
+        return f"signal {-exitcode}"
 
 
 def _with_stack(message: str, rank: Any, stack: str) -> str:

@@ -1,8 +1,8 @@
 """The one seam between this project and the installed nvidia-resiliency-ext (NVRx) release.
 
-Tested against 0.4.1 and 0.6.0 (``SUPPORTED``; `make test` runs the trainer's NVRx tests against each, in
-its own environment). Newer releases rename launcher flags (``--ft-param-*`` -> ``--ft-*``), deprecate
-some (``--ft-restart-policy`` in 0.6), add or drop Wrapper arguments, add features (0.6: stop restarting
+Tested against 0.4.1, 0.6.0 and 0.7.0 (``SUPPORTED``; `make test` runs the trainer's NVRx tests against
+each, in its own environment). Newer releases rename launcher flags (``--ft-param-*`` -> ``--ft-*``),
+deprecate some (``--ft-restart-policy`` in 0.6), add or drop Wrapper arguments, add features (0.6: stop restarting
 when restarts make no progress), and may move or remove the in-process package; everything that depends
 on those details goes through here:
 
@@ -32,7 +32,7 @@ import re
 from typing import Any
 
 MIN_VERSION = (0, 4, 1)
-SUPPORTED = ("0.4.1", "0.6.0")  # each tested in CI in its own environment (README: "NVRx versions")
+SUPPORTED = ("0.4.1", "0.6.0", "0.7.0")  # each tested in CI in its own environment (README: "NVRx versions")
 
 # Job options that exist only from some release on: option -> (first release, what it is in NVRx).
 ONLY_FROM: dict[str, tuple[tuple[int, int, int], str]] = {

@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from trainer import nvrx_compat
 from trainer.runtime import Session, take_fault
-from trainer.evidence import exception_text, main_thread_stack
+from trainer.evidence import exception_text, in_collective, main_thread_stack
 from trainer.wire import MAX_EVIDENCE_CHARS, CycleMark, EventKind, FaultClass, Layer
 
 log = logging.getLogger(__name__)
@@ -392,6 +392,31 @@ def build_in_process_wrapper(session: Session) -> Any:
             log.warning("interruption records of iteration %s unavailable: %r", iteration, e)
             return []
 
+    def stack_key(iteration: int, rank: int) -> str:
+        return f"unbroken/stack/{round_prefix}it{iteration}/r{rank}"
+
+    def keep_stack(iteration: int, rank: int, stack: str) -> None:
+        """Each rank's main-thread stack at abort: rank 0 tells a hung rank from those waiting for it."""
+        try:
+            if session.app_store is not None:
+                session.app_store.set(stack_key(iteration, rank), stack)
+        except Exception:  # evidence is best effort
+            log.warning("could not keep the stack at abort", exc_info=True)
+
+    def hung_rank(iteration: int, world_size: int) -> tuple[int, str] | None:
+        """The first rank whose loop stopped outside a collective (its peers wait in one), and its stack."""
+        for r in range(world_size):
+            try:
+                key = stack_key(iteration, r)
+                if session.app_store is None or not session.app_store.check([key]):
+                    continue
+                stack = session.app_store.get(key).decode("utf-8", "replace")
+            except Exception:
+                continue
+            if stack and not in_collective(stack):
+                return r, stack
+        return None
+
     class Abort(inprocess.abort.Abort):
         """MonitorThread, every rank: mark detection, unblock gloo, destroy the process groups."""
 
@@ -415,6 +440,7 @@ def build_in_process_wrapper(session: Session) -> Any:
             session.mark(cycle, CycleMark.ABORTED)
             if stack:
                 log.info("abort at step %s: %s", session.last_step, stack)
+                keep_stack(state.iteration, state.rank, stack)
             if closed is not None:
                 log.info("abort: shut down %d gloo sockets", closed)
             if failed is not None:
@@ -457,14 +483,22 @@ def build_in_process_wrapper(session: Session) -> Any:
             names = [r["interruption"] for r in recs]
             fault = facts.get("fault") or _interruption_to_fault(names)
             ranks = sorted({r["rank"] for r in recs})
+            rank = facts.get("rank", ranks[0] if ranks else None)
+            message = _with_traceback(facts.get("message") or ", ".join(
+                f"rank {r['rank']}: {r['interruption']}" for r in recs), facts.get("traceback"))
+            world = getattr(state, "world_size", None) or int(os.environ.get("WORLD_SIZE", "1"))
+            hung = hung_rank(state.iteration - 1, world) if fault == FaultClass.HANG \
+                and "rank" not in facts else None
+            if hung is not None:  # the timeouts name whoever timed out first; the stacks name the hung rank
+                rank = hung[0]
+                message = f"rank {rank} hung outside a collective ({message})\n\n{hung[1]}"
+                message = message[:MAX_EVIDENCE_CHARS]
             session.reporter.event(EventKind.FAULT, {
                 "fault": fault, "cycle": cycle.key if cycle else None, "detected_by": Layer.IN_PROCESS,
-                "message": _with_traceback(facts.get("message") or ", ".join(
-                    f"rank {r['rank']}: {r['interruption']}" for r in recs), facts.get("traceback")),
-                "rank": facts.get("rank", ranks[0] if ranks else None),
+                "message": message, "rank": rank,
                 "interruption": ",".join(sorted(set(names))) or None, "interruptions": recs,
                 "step": facts.get("step", session.last_step),
-            }, rank=facts.get("rank", ranks[0] if ranks else None))
+            }, rank=rank)
             if facts.get("at"):
                 session.mark(cycle, CycleMark.FAULT, at=float(facts["at"]), step=facts.get("step"))
             return state

@@ -117,6 +117,8 @@ def record_fault_facts(store: Any, restart_count: int, rec: dict[str, Any]) -> N
     first record of a round wins."""
     try:
         store.compare_set(fault_key(restart_count), "", json.dumps(rec))
+        if type(rec.get("rank")) is int:  # every rank's own facts too: the launcher reports each failed rank
+            store.set(f"{fault_key(restart_count)}/r{rec['rank']}", json.dumps(rec))
     except Exception:
         log.warning("could not record fault facts in the app store", exc_info=True)
 
@@ -136,9 +138,10 @@ def add_traceback(store: Any, restart_count: int, rec: dict[str, Any]) -> None:
         log.warning("could not add the traceback to the fault facts", exc_info=True)
 
 
-def take_fault(store: Any, restart_count: int) -> dict[str, Any] | None:
-    """Consume the fault facts recorded by the faulty rank in round ``restart_count`` (first wins)."""
-    key = fault_key(restart_count)
+def take_fault(store: Any, restart_count: int, rank: int | None = None) -> dict[str, Any] | None:
+    """Consume the fault facts recorded by the faulty rank in round ``restart_count`` (first wins), or
+    with ``rank``, those that rank recorded itself."""
+    key = fault_key(restart_count) + (f"/r{rank}" if rank is not None else "")
     try:
         if not store.check([key]):
             return None

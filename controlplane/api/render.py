@@ -9,7 +9,8 @@ from django.db.models import Count
 from django.urls import reverse
 
 from controlplane.api import schema
-from controlplane.jobs import figures
+from controlplane.jobs import attribution, figures
+from controlplane.jobs.evidence import fault_evidence
 from controlplane.jobs import models as m
 from controlplane.jobs.goodput import PARTS
 from controlplane.jobs.versions import runtime_versions
@@ -84,20 +85,29 @@ def rank(f: figures.RankFigures, now: datetime) -> schema.Rank:
     )
 
 
-def fault(f: m.Fault, rank_nodes: dict[int, str] | None = None, *, ended: bool = False) -> schema.Fault:
+def fault(f: m.Fault, rank_nodes: dict[int, str] | None = None, *, ended: bool = False,
+          summary: str | None = None) -> schema.Fault:
     fig = figures.fault_figures(f, rank_nodes=rank_nodes, ended=ended)
+    if summary is None:
+        summary = fault_evidence(f, rank_nodes=rank_nodes, ended=ended).summary
+    echoes = attribution.consequences(f) if f.primary_id is None else []
     return schema.Fault(
         id=f.pk, at=f.at, detected_at=f.detected_at, fault_class=f.fault_class, rank=f.rank, node=fig.node,
         detected_by=f.detected_by, message=(msg := redact(f.message)), traceback=figures.traceback_in(msg),
         cycle=f.cycle.key if f.cycle is not None else None, layer=fig.layer, escalated_to=fig.escalated_to,
         detection_s=fig.detection_s, recovery_s=fig.recovery_s, recovering=fig.recovering,
-        lost_steps=fig.lost_steps,
+        lost_steps=fig.lost_steps, summary=summary, primary=f.primary_id, link=f.link or None,
+        why=f.why or None, count=f.count,
+        occurrences=attribution.occurrences(f) if f.count > 1 else [f.at],
+        consequences=[schema.FaultEcho(id=e.pk, rank=e.rank, fault_class=e.fault_class, why=e.why)
+                      for e in echoes],
     )
 
 
 def cycle(c: m.RestartCycle) -> schema.Cycle:
     return schema.Cycle(
         id=c.pk, key=c.key, layer=c.layer, reason=c.reason, escalated_to=c.escalated_to or None,
+        superseded=bool(c.escalated_to),
         marks=schema.CycleMarks(
             fault_at=c.fault_at, delivered_at=c.delivered_at, detected_at=c.detected_at,
             aborted_at=c.aborted_at,

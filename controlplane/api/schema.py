@@ -222,6 +222,13 @@ class RankList(Struct, kw_only=True):
     next: str | None
 
 
+class FaultEcho(Struct, kw_only=True):
+    id: int
+    rank: int | None
+    fault_class: FaultClass
+    why: str
+
+
 class Fault(Struct, kw_only=True):
     id: int
     at: Annotated[Time, Meta(description="when it happened, as the trainer saw it")]
@@ -239,6 +246,20 @@ class Fault(Struct, kw_only=True):
     recovery_s: Seconds | None
     recovering: bool
     lost_steps: NonNegative | None
+    summary: Annotated[str, Meta(description="the fault's one sentence (its page's): who, what, whose "
+                                             "failure it echoes, its consequences and repeats")]
+    primary: Annotated[int | None, Meta(description="the fault this one is a consequence or a repeat of; "
+                                                    "null: this one is a primary fault")]
+    link: Annotated[str | None, Meta(description="consequence (an echo of the primary on another rank or "
+                                                 "layer) | repeat (the same failure on the next restart) | "
+                                                 "null")]
+    why: Annotated[str | None, Meta(description="the link in words: 'rank 0: gloo connection reset — a "
+                                                "consequence of rank 1's SIGKILL'")]
+    count: Annotated[int, Meta(ge=1, description="a primary's occurrences: itself and its repeats")]
+    occurrences: Annotated[list[Time], Meta(description="when it happened, each time, oldest first")]
+    consequences: Annotated[list[FaultEcho], Meta(description="the faults linked to this one as "
+                                                              "consequences")]
+
 
 
 class FaultList(Struct, kw_only=True):
@@ -308,6 +329,8 @@ class Cycle(Struct, kw_only=True):
     layer: Layer
     reason: str
     escalated_to: str | None
+    superseded: Annotated[bool, Meta(description="a later restart (escalated_to) replaced this attempt: it "
+                                                 "is not counted as a restart")]
     marks: CycleMarks
     durations: CycleDurations
     detection_s: Seconds | None

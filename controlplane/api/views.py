@@ -176,7 +176,7 @@ def job_fault(request: HttpRequest, job_id: int, fault_id: int) -> HttpResponse:
     tail = fault_log(job, f)
     ended = not job.is_active
     ev = evidence.fault_evidence(f, log_text=tail.text, log_why=tail.why, rank_nodes=nodes, ended=ended)
-    return respond(schema.FaultDetail(fault=render.fault(f, nodes, ended=ended),
+    return respond(schema.FaultDetail(fault=render.fault(f, nodes, ended=ended, summary=ev.summary),
                                       evidence=render.evidence(ev)))
 
 

@@ -239,7 +239,8 @@ def _cycle_dicts(job: Job, lo: datetime | None = None, hi: datetime | None = Non
                 "layer": c.layer,
                 "title": c.title,
                 "reason": c.reason
-                + (" · this layer gave up; a later restart took over" if c.escalated_to else ""),
+                + (f" · superseded by {c.escalated_to} (not counted as a restart)" if c.escalated_to else ""),
+                "superseded": bool(c.escalated_to),
                 "fault_at": ts(c.fault_at),
                 "detected_at": ts(c.detected_at),
                 "aborted_at": ts(c.aborted_at),
@@ -477,7 +478,8 @@ FAULT_FILTERS = ("fault_class", "layer", "rank")
 
 
 def faults_part(job: Job, params) -> dict:
-    qs = Fault.objects.filter(job=job).select_related("cycle").order_by("-at", "-id")
+    # Primary faults; each one's consequences and repeats fold under it (``jobs.attribution``).
+    qs = Fault.objects.filter(job=job, primary__isnull=True).select_related("cycle").order_by("-at", "-id")
     chosen = {k: params.get(k, "") for k in FAULT_FILTERS}
     if chosen["fault_class"]:
         qs = qs.filter(fault_class=chosen["fault_class"])
@@ -491,6 +493,10 @@ def faults_part(job: Job, params) -> dict:
     page = Paginator(qs, FAULTS_PER_PAGE).get_page(params.get("page"))
     nodes = fleet.rank_nodes(job, {f.rank for f in page.object_list if f.rank is not None})
     rows = []
+    echoes: dict[int, list[Fault]] = {}
+    repeats: dict[int, list[Fault]] = {}
+    for e in Fault.objects.filter(primary__in=[f.pk for f in page.object_list]).order_by("at", "id"):
+        (repeats if e.link == "repeat" else echoes).setdefault(e.primary_id, []).append(e)
     for f in page.object_list:
         fig = figures.fault_figures(f, rank_nodes=nodes, ended=not job.is_active)
         rows.append(
@@ -503,6 +509,8 @@ def faults_part(job: Job, params) -> dict:
                 "detection": charts.fmt_s(fig.detection_s),
                 "recovery": recovery_words(fig),
                 "lost": fig.lost_steps,
+                "echoes": [e.why for e in echoes.get(f.pk, [])],
+                "times": [x.at for x in repeats.get(f.pk, [])],
             }
         )
     if not chosen["fault_class"] and chosen["rank"] in ("", None):

@@ -140,7 +140,8 @@ def fault_evidence(f: Fault, *, log_text: str | None = None, log_why: str | None
                   log=log_lines(log_text, rank=f.rank, at=f.at, until=f.detected_at), log_why=log_why,
                   reason=term["reason"] if term else None,
                   termination_message=(message[term.end():].strip() or None) if term else None)
-    return Evidence(**{**{k: getattr(ev, k) for k in Evidence.__slots__}, "summary": summary(f, fig, ev)})
+    return Evidence(**{**{k: getattr(ev, k) for k in Evidence.__slots__},
+                       "summary": attributed_summary(f, ev, summary(f, fig, ev))})
 
 
 def fault_data(f: Fault) -> dict:
@@ -172,9 +173,9 @@ def summary(f: Fault, fig: figures.FaultFigures, ev: Evidence) -> str:
         who += f" on {fig.node}"
     what = VERBS.get(f.fault_class, f"failed ({f.fault_class})")
     if f.fault_class == FaultClass.PROCESS_KILLED and ev.signal:
-        what = f"was killed by {ev.signal}"
+        what = f"was killed by {ev.signal}" + sender(f, ev)
     elif f.fault_class == FaultClass.PROCESS_KILLED and ev.exit_code is not None:
-        what = f"exited with code {ev.exit_code}"
+        what = f"exited with code {ev.exit_code}" + sender(f, ev)
     elif f.fault_class == FaultClass.EXCEPTION and ev.exception_type:
         what = f"raised {ev.exception_type}" + (f" ({ev.exception_message[:80]})" if ev.exception_message else "")
     if ev.phase == "checkpoint save":
@@ -197,3 +198,62 @@ def summary(f: Fault, fig: figures.FaultFigures, ev: Evidence) -> str:
     if fig.lost_steps is not None:
         out += f"; {fig.lost_steps} step{'s were' if fig.lost_steps != 1 else ' was'} recomputed"
     return out[:1].upper() + out[1:] + "."
+
+
+_PATH = re.compile(r"(/[\w.\-]+(?:/[\w.\-]+)+)")
+_SENDERS = (("drill", "a fault drill"), ("oom", "the kernel's OOM killer"),
+            ("restart command", "an operator's restart command"),
+            ("stop command", "an operator's stop command"))
+
+
+def sender(f: Fault, ev: Evidence) -> str:
+    """Who sent a signal, where the evidence says (" (a fault drill)"); "" when it does not."""
+    low = (f.message or "").lower()
+    for word, who in _SENDERS:
+        if word in low:
+            return f" ({who})"
+    if ev.signal is None and ev.exit_code == 137:
+        return " (SIGKILL, as an OOM kill reports it)"
+    if ev.signal == "SIGTERM" and f.link == "consequence":
+        return " (ft_launcher's stop)"
+    return ""
+
+
+def loading(ev: Evidence) -> bool:
+    """The exception came from loading a checkpoint (the resume itself failed)."""
+    said = f"{ev.exception_type or ''} {ev.exception_message or ''}".lower()
+    return "checkpoint" in said or "metadata" in said or any(
+        "load" in fr.function.lower() or "load" in fr.code.lower() or "restore" in fr.function.lower()
+        for fr in ev.frames)
+
+
+def attributed_summary(f: Fault, ev: Evidence, base: str) -> str:
+    """``summary`` with what attribution found: whose failure a consequence echoes; a primary's
+    consequences and repeats (a resume that fails on every restart names its path and error)."""
+    if f.link == "consequence" and f.primary_id:
+        return f"{f.why[:1].upper()}{f.why[1:]} (fault {f.primary_id})."
+    if f.link == "repeat" and f.primary_id:
+        return f"The same failure as fault {f.primary_id}, again on the next restart. {base}"
+    out = base.rstrip(".")
+    if f.count > 1 and ev.exception_type and loading(ev):
+        paths = _PATH.findall(f"{ev.exception_message or ''} {ev.message}")
+        where = next((p for p in paths if re.search(r"step|ckpt|checkpoint", p, re.I)), None)
+        out = (f"Every restart fails the same way while loading a checkpoint ({f.count} times): the resume "
+               f"itself fails ({ev.exception_type}" + (f" reading {where}" if where else "")
+               + (f": {ev.exception_message[:120]}" if ev.exception_message else "") + "). " + out)
+    elif f.count > 1:
+        out += f"; the same failure happened {f.count} times on consecutive restarts"
+    echoes = list(Fault.objects.filter(primary_id=f.pk, link="consequence").order_by("at", "id")
+                  .values_list("why", flat=True)[:4])
+    if echoes:
+        words = [w.split(" — ", 1)[0] for w in echoes if " — " in w][:3]
+        if words:
+            verb = " was" if len(words) == 1 else " were"
+            out += "; " + ", ".join(_echo_phrase(w) for w in words) + verb + " a consequence"
+    return out + "."
+
+
+def _echo_phrase(words: str) -> str:
+    """"rank 0: gloo connection reset" -> "rank 0's gloo connection reset"."""
+    who, _, what = words.partition(": ")
+    return f"{who}'s {what}" if what else who

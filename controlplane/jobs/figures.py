@@ -152,9 +152,12 @@ def progress_pct(job: Job) -> int:
 
 
 def restarts_by_layer(job_ids: Iterable[int]) -> dict[int, dict[str, int]]:
-    """Restart cycles per job and layer: {job_id: {layer: count}} (jobs without cycles absent)."""
+    """Restart cycles per job and layer: {job_id: {layer: count}} (jobs without cycles absent). A cycle a
+    later one superseded (``escalated_to``: an in-process attempt that ft_launcher's in-job restart
+    replaced) is not a restart of its own and is not counted."""
     out: dict[int, dict[str, int]] = {}
-    rows = RestartCycle.objects.filter(job_id__in=list(job_ids)).values_list("job_id", "layer")
+    rows = (RestartCycle.objects.filter(job_id__in=list(job_ids), escalated_to="")
+            .values_list("job_id", "layer"))
     for job_id, layer, n in rows.annotate(n=Count("id")).order_by():
         out.setdefault(job_id, {})[layer] = n
     return out

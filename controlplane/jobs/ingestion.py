@@ -28,6 +28,7 @@ from typing import Any
 from django.db import connection, transaction
 from django.db.models import Q
 
+from controlplane.jobs import attribution
 from controlplane.jobs import heartbeats as hb_store
 from controlplane.jobs import notifications, outages
 from controlplane.jobs.models import (
@@ -427,8 +428,9 @@ def _close_escalated(job: Job, recovered: RestartCycle) -> None:
         if start is None or start > recovered.first_step_at:
             continue
         last = max((getattr(other, m) for m in marks if getattr(other, m)), default=start)
-        RestartCycle.objects.filter(pk=other.pk, first_step_at__isnull=True).update(
-            first_step_at=last, escalated_to=recovered.key)
+        if RestartCycle.objects.filter(pk=other.pk, first_step_at__isnull=True).update(
+                first_step_at=last, escalated_to=recovered.key) and other.faults.exists():
+            attribution.attribute(job, [start])  # its faults now belong to the cycle that recovered
 
 
 def _apply_faults(job: Job, fault_events: list[Any], cycles: dict[str, RestartCycle]) -> None:
@@ -447,6 +449,7 @@ def _apply_faults(job: Job, fault_events: list[Any], cycles: dict[str, RestartCy
                           source_key=f"event:{e.id}"))
     if rows:
         Fault.objects.bulk_create(rows, ignore_conflicts=True)
+        attribution.attribute(job, [r.at for r in rows])
 
 
 def _apply_checkpoint(job: Job, e: Any) -> None:

@@ -353,6 +353,18 @@ class Fault(models.Model):
     # A rule counting faults "without progress" counts those since it: progress the job makes after the
     # fault (its own recovery) must not drop the fault from its own count.
     progress_at = models.DateTimeField(null=True, blank=True)
+    # Attribution (``jobs.attribution``): a primary fault has no ``primary``; a consequence (a peer's
+    # echo of it: a gloo or NCCL error, ft_launcher's SIGTERM) or a repeat (the same failure again on the
+    # next restart, with no step progress between) points at it, with ``link`` saying which and ``why``
+    # in words. ``count`` is a primary's occurrences (itself and its repeats). Revisited whenever a fault
+    # of the same failure arrives (a killed rank's exit is seen after its peers' exceptions).
+    primary = models.ForeignKey("self", null=True, blank=True, on_delete=models.SET_NULL,
+                                related_name="echoes")
+    link = models.CharField(max_length=12, blank=True, choices=[("consequence", "consequence"),
+                                                                ("repeat", "repeat")])
+    why = models.CharField(max_length=300, blank=True)
+    count = models.IntegerField(default=1)
+    attributed_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:
         constraints = [models.UniqueConstraint(fields=["job", "source_key"], name="uniq_fault_source")]

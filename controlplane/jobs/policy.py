@@ -96,7 +96,9 @@ def rule_counts(job: Job, rules: Sequence[Rule], *, until: datetime, since: date
     ``Job.last_progress_at``; None: none yet), or all."""
     if not rules:
         return []
-    qs = Fault.objects.filter(job=job, at__lte=until).order_by("-at", "-id")
+    # A consequence (a peer's gloo error after a rank was killed: ``jobs.attribution``) is not a failure of
+    # its own; a repeat is (the same failure again is what a count is for).
+    qs = Fault.objects.filter(job=job, at__lte=until).exclude(link="consequence").order_by("-at", "-id")
     if since is not None and all(r.without_progress for r in rules):
         qs = qs.filter(at__gte=since)
     kill = any(r.match.exit_code is not None or r.match.signal is not None for r in rules)

@@ -16,7 +16,7 @@ from django.db.models import Count
 from django.utils import timezone
 
 from controlplane.jobs import heartbeats as hb_store
-from controlplane.jobs import health, notifications, outages, policy, stragglers
+from controlplane.jobs import attribution, health, notifications, outages, policy, stragglers
 from controlplane.jobs.models import (
     ACTIVE_STATUSES,
     Fault,
@@ -196,6 +196,8 @@ def _mark_job_lost(job: Job, ranks: list[int], now: datetime, store: hb_store.He
                     .values_list("source_key", flat=True))
         new = [f for k, f in faults.items() if k not in known]
         Fault.objects.bulk_create(new, ignore_conflicts=True)
+        if new:
+            attribution.attribute(job, [f.at for f in new])
     if new:
         log.warning("job %s: %d rank(s) lost (first: %s)", job.pk, len(new), sorted(f.rank for f in new)[:5])
     return len(new), (set(ranks) - waiting) | claimed
@@ -238,6 +240,7 @@ def _mark_job_stalled(job_id: int, ranks: list[int], now: datetime) -> int:
                 progress_at=Fault.clip_progress(job.last_progress_at, since),
                 source_key=f"stalled:{r.rank}:{int(since.timestamp() * 1000)}"))
         Fault.objects.bulk_create(rows, ignore_conflicts=True)
+        attribution.attribute(job, [f.at for f in rows])
         step = min(r.last_step for r in Rank.objects.filter(job_id=job_id, rank__in=claimed))
         progress = job.last_progress_at.timestamp() if job.last_progress_at else 0.0
         notifications.enqueue(
@@ -269,7 +272,7 @@ def _stop_storm(job_id: int, count: int, now: datetime) -> int:
     if count < limit:
         return 0
     reason = (f"restart storm: {count} restarts without step progress past step {job.max_step} "
-              f"(storm_restarts={limit})")
+              f"(storm_restarts={limit})") + _storm_cause(job)
     with transaction.atomic():
         if not set_status(job, JobStatus.FAILED, reason, only_from=(JobStatus.RUNNING, JobStatus.RECOVERING)):
             return 0
@@ -281,6 +284,17 @@ def _stop_storm(job_id: int, count: int, now: datetime) -> int:
     log.error("job %s: %s", job.pk, reason)
     return 1
 
+
+
+def _storm_cause(job: Job) -> str:
+    """The fault the storm repeats, named: ", each time fault 12 (exception on rank 1: ...)"."""
+    root = (Fault.objects.filter(job=job, primary__isnull=True, count__gt=1).order_by("-at", "-id").first()
+            or Fault.objects.filter(job=job, primary__isnull=True).order_by("-at", "-id").first())
+    if root is None:
+        return ""
+    head = (root.message or "").split("\n", 1)[0][:120]
+    times = f"{root.count} times: " if root.count > 1 else ""
+    return f"; {times}fault {root.pk} ({policy.fault_subject(root)}" + (f": {head}" if head else "") + ")"
 
 
 __all__ = ["ACTIVE_STATUSES", "WatchdogResult", "mark_overdue", "mark_stalled", "request_stop", "run_watchdog",

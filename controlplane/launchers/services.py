@@ -26,7 +26,7 @@ from controlplane.jobs.models import (
     JobStatus,
     RestartCycle,
 )
-from controlplane.jobs import policy
+from controlplane.jobs import attribution, policy
 from controlplane.jobs.services import begin_job_restart, finish_command, set_status
 from controlplane.launchers.backends import get_launcher
 from controlplane.launchers.base import LaunchError, LaunchFault, PollResult, TransientLaunchError
@@ -157,9 +157,10 @@ def record_launch_fault(job: Job, fault: LaunchFault, *, decided: bool = False) 
                                  progress_at=Fault.progress_before(job.pk, at),
                                  source_key=f"{job.backend}:{fault.source_key}"[:100],
                                  policy_at=timezone.now() if decided else None)
-        return True
     except IntegrityError:
         return False
+    attribution.attribute(job, [at])
+    return True
 
 
 def supervise_job(*, job: Job) -> str:
@@ -215,7 +216,7 @@ def _end_of_attempt(job: Job, result: PollResult) -> None:
                         fault_at=fault_at, expected_attempt=job.attempt)
     else:
         why = result.reason
-        if spec.job_restart:
+        if spec.job_restart and result.retryable and job.attempt >= spec.max_job_restarts:
             why += f" (job-level restarts used up: {job.attempt} of {spec.max_job_restarts})"
         set_status(job, JobStatus.FAILED, why, only_from=ACTIVE_STATUSES)
 

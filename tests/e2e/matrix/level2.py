@@ -1,0 +1,49 @@
+"""Level 2: the same training as an SDK entrypoint (re-entered by every restart; the product's async
+saves)."""
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+import unbroken
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import inject  # noqa: E402
+
+
+@unbroken.entrypoint
+def train(ctx: unbroken.Context) -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--steps", type=int, default=60)
+    args, _ = p.parse_known_args()
+    ctx.init_process_group()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(16, 16)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    start = ctx.checkpoint.restore(model=model, optim=opt)
+    for step in range(start, args.steps):
+        x = torch.randn(32, 16, generator=torch.Generator().manual_seed(step * 10 + ctx.rank))
+        loss = F.mse_loss(model(x), x)
+        loss.backward()
+        for q in model.parameters():
+            torch.distributed.all_reduce(q.grad)
+        ctx.checkpoint.wait_for_staging()
+        opt.step()
+        opt.zero_grad()
+        time.sleep(0.05)
+        ctx.step(step + 1, loss=loss.item())
+        inject.at_step(step + 1, ctx.rank)
+        if ctx.checkpoint.maybe_save(step + 1):
+            inject.during_save(step + 1, ctx.rank)  # the async save is writing now
+        if ctx.rank == 0 and (step + 1) % 10 == 0:
+            print(f"step {step + 1} loss {loss.item():.5f}", flush=True)
+        if ctx.should_stop():
+            break
+
+
+if __name__ == "__main__":
+    train()
