@@ -53,6 +53,9 @@ if not DEBUG and SECRET_KEY == DEFAULT_SECRET_KEY:
 ALLOWED_HOSTS = [h for h in os.environ.get("UNBROKEN_ALLOWED_HOSTS", "localhost,127.0.0.1,[::1]").split(",") if h]
 CSRF_TRUSTED_ORIGINS = [o for o in os.environ.get("UNBROKEN_CSRF_TRUSTED_ORIGINS", "").split(",") if o]
 DATA_DIR = Path(os.environ.get("UNBROKEN_DATA_DIR", BASE_DIR / "var"))
+# The account local jobs run as when the control plane runs as root (docs/guides/security.md): the job
+# cannot read the secret key file or the SQLite database. "root" keeps jobs at the control plane's rights.
+JOB_USER = os.environ.get("UNBROKEN_JOB_USER", "nobody")
 # Where trainers reach the ingest API (the local launcher passes it to the processes it starts).
 PUBLIC_URL = os.environ.get("UNBROKEN_PUBLIC_URL", "http://127.0.0.1:8000")
 
