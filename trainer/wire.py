@@ -207,7 +207,8 @@ SECRET_NAME = (r"(?<![A-Za-z0-9_.-])(?:[A-Za-z0-9]+[_.-])*"
                r"|(?:API|PRIVATE|ACCESS|SECRET|AUTH)[_.-]?KEY)(?![A-Za-z0-9])")
 # Well-known token shapes, whatever name carries them: ours (ingest tokens, ``ubk_``), Hugging Face,
 # GitHub, AWS access key ids, OpenAI/Anthropic-style keys, Slack, JWTs.
-TOKEN_SHAPES = (r"ubk_[A-Za-z0-9_-]{20,}|hf_[A-Za-z0-9]{20,}|gh[pousr]_[A-Za-z0-9]{20,}|github_pat_[A-Za-z0-9_]{20,}|"
+TOKEN_SHAPES = (r"ubk_[A-Za-z0-9_-]{20,}|hf_[A-Za-z0-9]{20,}|gh[pousr]_[A-Za-z0-9]{20,}|"
+                r"github_pat_[A-Za-z0-9_]{20,}|"
                 r"A[KS]IA[0-9A-Z]{16}|sk-[A-Za-z0-9_-]{20,}|xox[abprs]-[A-Za-z0-9-]{10,}|"
                 r"eyJ[A-Za-z0-9_-]{8,}\.eyJ[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]{8,}")
 REDACTED = "[redacted]"

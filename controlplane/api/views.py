@@ -94,7 +94,8 @@ def _create_job(request: HttpRequest) -> HttpResponse:
         return error(422, str(e), fields=e.errors)
     problems = launch_services.preflight(spec=spec)
     if problems:
-        named = {p.split(" ", 1)[0]: p for p in problems if p.split(" ", 1)[0] in ("entrypoint", "working_dir")}
+        named = {p.split(" ", 1)[0]: p for p in problems
+                 if p.split(" ", 1)[0] in ("entrypoint", "working_dir")}
         return error(422, "cannot launch: " + "; ".join(problems), preflight=problems,
                      field=next(iter(named), None), fields=named or None)
     job = services.create_job(name=data.name, spec=spec, created_by=user,

@@ -105,7 +105,8 @@ class Job(models.Model):
     def revoke_token(job_id: int, attempt: int) -> bool:
         """The attempt's processes are gone: its ingest token stops working (a token printed into a log
         is worthless after its attempt). Conditional on the attempt, so a later attempt's token stays."""
-        return Job.objects.filter(pk=job_id, attempt=attempt).exclude(token_hash="").update(token_hash="") == 1
+        qs = Job.objects.filter(pk=job_id, attempt=attempt).exclude(token_hash="")
+        return qs.update(token_hash="") == 1
 
     def token_matches(self, token: str) -> bool:
         return hmac.compare_digest(self.token_hash, hash_token(token))

@@ -80,8 +80,11 @@ def account_problems(account: Account | None, paths: list[Path]) -> list[str]:
     problems = []
     for p in paths:
         if not _can_reach(p, account):
-            problems.append(f"{p} is not readable by the job's account {account.name} (UNBROKEN_JOB_USER): "
-                            "make it and the directories above it readable by that account")
+            shown = p if p.resolve() == p else f"{p} ({p.resolve()})"
+            problems.append(f"{shown} is out of reach of the account jobs run as, {account.name} "
+                            "(UNBROKEN_JOB_USER): make it and the directories above it readable by that "
+                            "account, or name another (UNBROKEN_JOB_USER=root: jobs get the control plane's "
+                            "rights; docs/guides/security.md)")
     return problems
 
 
@@ -124,7 +127,7 @@ def protect_control_plane_files() -> None:
     key_file = os.environ.get("UNBROKEN_SECRET_KEY_FILE")
     paths = [Path(key_file)] if key_file else []
     db = connection.settings_dict  # under tests, the test database's
-    if db["ENGINE"].endswith("sqlite3") and str(db["NAME"]) != ":memory:" and "mode=memory" not in str(db["NAME"]):
+    if db["ENGINE"].endswith("sqlite3") and "memory" not in str(db["NAME"]):  # an in-memory one has no file
         name = Path(str(db["NAME"]))
         paths += [name, name.with_name(name.name + "-wal"), name.with_name(name.name + "-shm")]
     for p in paths:

@@ -65,8 +65,15 @@ class LocalLauncher:
         cpus = os.cpu_count() or 1
         if spec.procs_per_node > 4 * cpus:
             problems.append(f"{spec.procs_per_node} processes on {cpus} CPU cores would crawl; use at most {4 * cpus}")
+        try:
+            account = job_account()
+        except LaunchError as e:
+            return [*problems, str(e)]
+        # The job's account must be able to run this Python and our trainer (not under a 0700 /root).
+        unreachable = account_problems(account, [Path(sys.executable), Path(settings.BASE_DIR) / "trainer"])
+        problems += unreachable
         if spec.entrypoint:
-            problems += _user_code_problems(spec)
+            problems += [] if unreachable else _user_code_problems(spec, account)
         elif spec.preset not in ("tiny", "small"):
             problems.append(f"preset {spec.preset!r} needs GPUs; on this machine use tiny or small")
         # Local ranks run with this process's environment, so its NVRx is theirs.
@@ -106,7 +113,7 @@ class LocalLauncher:
         if account is not None:
             os.chown(home, account.uid, account.gid)
         env = {
-            # An allowlist of the control plane's environment, never all of it (controlplane/launchers/isolation.py).
+            # An allowlist of the control plane's environment, never all of it (launchers/isolation.py).
             **rank_env(dict(os.environ), spec.env, home=str(home)),
             # This tree's trainer and SDK (``unbroken`` lives in trainer/), whatever the venv installed.
             "PYTHONPATH": nvrx_compat.child_pythonpath(
@@ -122,8 +129,7 @@ class LocalLauncher:
         }
         if account is not None:
             env.update(USER=account.name, LOGNAME=account.name)
-        as_account = ({"user": account.uid, "group": account.gid, "extra_groups": []}
-                      if account is not None else {})
+        as_account = _as_account(account)
         with open(log_path, "ab") as log:
             subprocess.run(
                 ["setsid", "-f", "sh", "-c", _SHELL, "unbroken-job", *argv],
@@ -232,15 +238,11 @@ class LocalLauncher:
         return text
 
 
-def _user_code_problems(spec) -> list[str]:
+def _user_code_problems(spec, account) -> list[str]:
     """The user's code must be where the spec says, on this machine (checked before a job is stored)."""
     workdir = Path(spec.working_dir or settings.BASE_DIR)
     if not workdir.is_dir():
         return [f"working_dir {workdir} is not a directory on this machine"]
-    try:
-        account = job_account()
-    except LaunchError as e:
-        return [str(e)]
     if spec.entrypoint.endswith(".py"):
         script = workdir / spec.entrypoint
         if not script.is_file():
@@ -278,21 +280,30 @@ if fn:
 
 
 def entrypoint_problems(spec, workdir: Path, account) -> list[str]:
-    """Whether a module or function entrypoint imports where the job will run (a script is checked by path)."""
+    """Whether a module or function entrypoint imports where the job will run (a script is checked by
+    path): in the ranks' environment, as their account, from their working directory."""
+    own = [str(settings.BASE_DIR), str(settings.BASE_DIR / "trainer")]
     env = {**rank_env(dict(os.environ), spec.env, home=str(workdir)),
-           "PYTHONPATH": nvrx_compat.child_pythonpath([str(settings.BASE_DIR), str(settings.BASE_DIR / "trainer")],
-                                                      spec.env.get("PYTHONPATH") or os.environ.get("PYTHONPATH")),
+           "PYTHONPATH": nvrx_compat.child_pythonpath(
+               own, spec.env.get("PYTHONPATH") or os.environ.get("PYTHONPATH")),
            "PYTHONDONTWRITEBYTECODE": "1"}
-    as_account = {"user": account.uid, "group": account.gid, "extra_groups": []} if account is not None else {}
+    as_account = _as_account(account)
     try:
-        done = subprocess.run([sys.executable, "-c", _CHECK_ENTRYPOINT, spec.entrypoint], cwd=workdir, env=env,
-                              stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=60, **as_account)
+        done = subprocess.run([sys.executable, "-c", _CHECK_ENTRYPOINT, spec.entrypoint], cwd=workdir,
+                              env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=60,
+                              **as_account)
     except subprocess.TimeoutExpired:
         return [f"entrypoint {spec.entrypoint}: importing it took over 60 s"]
     if done.returncode == 0:
         return []
     lines = (done.stderr or "").strip().splitlines()
-    return [lines[-1][:500] if lines else f"entrypoint {spec.entrypoint}: the import check exited {done.returncode}"]
+    return [lines[-1][:500] if lines else
+            f"entrypoint {spec.entrypoint}: the import check exited {done.returncode}"]
+
+
+def _as_account(account) -> dict:
+    """subprocess.run's arguments that start a process as ``account`` (none: as this process)."""
+    return {"user": account.uid, "group": account.gid, "extra_groups": []} if account is not None else {}
 
 
 def _wait_for_pid(pid_file: Path, timeout_s: float = 10.0) -> int:

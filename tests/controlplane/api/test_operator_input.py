@@ -45,8 +45,8 @@ def test_it_refuses_abusive_job_bodies_with_json_4xx(send):
     assert status == 400
     status, out = send("/api/v1/jobs", {"spec": {"steps": 10**15}})
     assert status == 422 and "steps" in out["fields"]
-    for name, value in (("procs_per_node", 10**6), ("max_job_restarts", 10**9), ("heartbeat_interval_s", 1e12),
-                        ("keep_checkpoints", 10**7), ("stall_timeout_s", 1e300)):
+    for name, value in (("procs_per_node", 10**6), ("max_job_restarts", 10**9), ("keep_checkpoints", 10**7),
+                        ("heartbeat_interval_s", 1e12), ("stall_timeout_s", 1e300)):
         status, out = send("/api/v1/jobs", {"spec": {name: value}})
         assert status == 422 and name in out["fields"], (name, out)
     status, out = send("/api/v1/jobs", {"name": "a\x00b"})
@@ -78,8 +78,8 @@ def test_it_checks_a_module_or_function_entrypoint_imports_at_preflight(send, tm
     (tmp_path / "broken.py").write_text("import no_such_module_anywhere\ndef main():\n    pass\n")
 
     def create(entrypoint, working_dir):
-        return send("/api/v1/jobs", {"name": "mine", "spec": {"entrypoint": entrypoint, "working_dir": working_dir,
-                                                               "procs_per_node": 1}})
+        spec = {"entrypoint": entrypoint, "working_dir": working_dir, "procs_per_node": 1}
+        return send("/api/v1/jobs", {"name": "mine", "spec": spec})
 
     for entrypoint, working_dir, words in (
             ("passwd", "/etc", "no module passwd"),
