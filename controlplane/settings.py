@@ -202,14 +202,14 @@ AUTH_PASSWORD_VALIDATORS = [
     {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator", "OPTIONS": {"min_length": 10}},
     {"NAME": "django.contrib.auth.password_validation.CommonPasswordValidator"},
 ]
-# Login throttling (django-axes; controlplane/logins.py): 10 wrong passwords lock the account, and the
+# Login throttling (django-axes; controlplane/jobs/logins.py): 10 wrong passwords lock the account, and the
 # address, for 15 minutes; counted by the connection's address, never X-Forwarded-For.
-AUTHENTICATION_BACKENDS = ["controlplane.logins.LoginThrottle", "django.contrib.auth.backends.ModelBackend"]
+AUTHENTICATION_BACKENDS = ["controlplane.jobs.logins.LoginThrottle", "django.contrib.auth.backends.ModelBackend"]
 AXES_FAILURE_LIMIT = int(env_float("UNBROKEN_LOGIN_FAILURE_LIMIT", 10))
 AXES_COOLOFF_TIME = timedelta(minutes=env_float("UNBROKEN_LOGIN_LOCKOUT_MINUTES", 15))
 AXES_LOCKOUT_PARAMETERS = ["username", "ip_address"]
-AXES_CLIENT_IP_CALLABLE = "controlplane.logins.client_address"
-AXES_LOCKOUT_CALLABLE = "controlplane.logins.locked_out"
+AXES_CLIENT_IP_CALLABLE = "controlplane.jobs.logins.client_address"
+AXES_LOCKOUT_CALLABLE = "controlplane.jobs.logins.locked_out"
 AXES_RESET_ON_SUCCESS = True
 AXES_VERBOSE = False
 LOGIN_URL = "login"

@@ -6,4 +6,4 @@ class JobsConfig(AppConfig):
     label = "jobs"
 
     def ready(self) -> None:
-        from controlplane import logins  # noqa: F401 - connects the lockout audit (django-axes' signal)
+        from controlplane.jobs import logins  # noqa: F401 - connects the lockout audit (axes signal)
