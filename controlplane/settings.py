@@ -204,7 +204,8 @@ AUTH_PASSWORD_VALIDATORS = [
 ]
 # Login throttling (django-axes; controlplane/jobs/logins.py): 10 wrong passwords lock the account, and the
 # address, for 15 minutes; counted by the connection's address, never X-Forwarded-For.
-AUTHENTICATION_BACKENDS = ["controlplane.jobs.logins.LoginThrottle", "django.contrib.auth.backends.ModelBackend"]
+AUTHENTICATION_BACKENDS = ["controlplane.jobs.logins.LoginThrottle",
+                           "django.contrib.auth.backends.ModelBackend"]
 AXES_FAILURE_LIMIT = int(env_float("UNBROKEN_LOGIN_FAILURE_LIMIT", 10))
 AXES_COOLOFF_TIME = timedelta(minutes=env_float("UNBROKEN_LOGIN_LOCKOUT_MINUTES", 15))
 AXES_LOCKOUT_PARAMETERS = ["username", "ip_address"]

@@ -69,7 +69,8 @@ def test_it_redacts_values_of_secret_names_and_token_shapes_not_code():
     # An environment printed as a dict, values with known shapes whatever their names, our ingest tokens.
     assert redact("{'DB_PASS': 'hunter22', 'PATH': '/bin'}") == "{'DB_PASS': '[redacted]', 'PATH': '/bin'}"
     assert redact("OPENAI_KEY=sk-abcdefghijklmnopqrstuvwx1") == "OPENAI_KEY=[redacted]"
-    assert redact("id AKIAABCDEFGHIJKLMNOP gh ghp_abcdefghijklmnopqrstuvwxyz0123") == "id [redacted] gh [redacted]"
+    shapes = "id AKIAABCDEFGHIJKLMNOP gh ghp_abcdefghijklmnopqrstuvwxyz0123"
+    assert redact(shapes) == "id [redacted] gh [redacted]"
     assert redact("my token is ubk_" + "x" * 43 + ".") == "my token is [redacted]."
     assert redact("UNBROKEN_TOKEN_FILE=/data/jobs/3/token") == "UNBROKEN_TOKEN_FILE=/data/jobs/3/token"
 

@@ -23,7 +23,8 @@ def test_healthz_tells_an_outsider_only_ok(client, serve_state):
     assert r.status_code == 200 and r.content == b"ok"
 
 
-def test_healthz_shows_the_processes_to_a_signed_in_user_and_allowed_scrapers(client, serve_state, monkeypatch):
+def test_healthz_shows_the_processes_to_a_signed_in_user_and_allowed_scrapers(client, serve_state,
+                                                                              monkeypatch):
     assert b"worker pid=4242" in client.get("/healthz", REMOTE_ADDR="127.0.0.1").content  # loopback: allowed
     User.objects.create_user("viewer", password="correct horse battery")
     client.login(username="viewer", password="correct horse battery")
