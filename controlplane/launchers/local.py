@@ -267,7 +267,7 @@ except Exception as e:
 if found is None:
     sys.exit(f"entrypoint {ep}: no module {module} in the working directory or the job's Python path")
 origin = os.path.realpath(found.origin or "") if found.has_location else ""
-if not origin or origin.startswith(std + os.sep):
+if not origin or (origin.startswith(std + os.sep) and "site-packages" not in origin):
     sys.exit(f"entrypoint {ep}: {module} is not your training code (a built-in or standard-library module)")
 if fn:
     try:
