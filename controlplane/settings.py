@@ -5,6 +5,7 @@ REDIS_URL (else an embedded filesystem broker for Celery and the database for he
 """
 
 import os
+from datetime import timedelta
 from pathlib import Path
 
 import dj_database_url
@@ -53,6 +54,13 @@ if not DEBUG and SECRET_KEY == DEFAULT_SECRET_KEY:
 ALLOWED_HOSTS = [h for h in os.environ.get("UNBROKEN_ALLOWED_HOSTS", "localhost,127.0.0.1,[::1]").split(",") if h]
 CSRF_TRUSTED_ORIGINS = [o for o in os.environ.get("UNBROKEN_CSRF_TRUSTED_ORIGINS", "").split(",") if o]
 DATA_DIR = Path(os.environ.get("UNBROKEN_DATA_DIR", BASE_DIR / "var"))
+# The account local jobs run as when the control plane runs as root (docs/guides/security.md): the job
+# cannot read the secret key file or the SQLite database. "root" keeps jobs at the control plane's rights;
+# unset: "nobody" where it can run this Python, else root with a warning (launchers/isolation.py).
+JOB_USER = os.environ.get("UNBROKEN_JOB_USER", "")
+# /metrics without its token: clients from these networks (the connection's address; comma-separated CIDRs).
+METRICS_ALLOW_NETWORKS = [n.strip() for n in os.environ.get(
+    "UNBROKEN_METRICS_ALLOW_NETWORKS", "127.0.0.0/8,::1/128").split(",") if n.strip()]
 # Where trainers reach the ingest API (the local launcher passes it to the processes it starts).
 PUBLIC_URL = os.environ.get("UNBROKEN_PUBLIC_URL", "http://127.0.0.1:8000")
 
@@ -68,6 +76,7 @@ INSTALLED_APPS = [
     "controlplane.dashboard",
     "controlplane.launchers",
     "controlplane.api",
+    "axes",
 ]
 
 MIDDLEWARE = [
@@ -80,6 +89,8 @@ MIDDLEWARE = [
     "django.contrib.auth.middleware.AuthenticationMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
+    "controlplane.security.ContentSecurityPolicyMiddleware",
+    "axes.middleware.AxesMiddleware",
 ]
 
 ROOT_URLCONF = "controlplane.urls"
@@ -200,6 +211,17 @@ AUTH_PASSWORD_VALIDATORS = [
     {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator", "OPTIONS": {"min_length": 10}},
     {"NAME": "django.contrib.auth.password_validation.CommonPasswordValidator"},
 ]
+# Login throttling (django-axes; controlplane/jobs/logins.py): 10 wrong passwords lock the account, and the
+# address, for 15 minutes; counted by the connection's address, never X-Forwarded-For.
+AUTHENTICATION_BACKENDS = ["controlplane.jobs.logins.LoginThrottle",
+                           "django.contrib.auth.backends.ModelBackend"]
+AXES_FAILURE_LIMIT = int(env_float("UNBROKEN_LOGIN_FAILURE_LIMIT", 10))
+AXES_COOLOFF_TIME = timedelta(minutes=env_float("UNBROKEN_LOGIN_LOCKOUT_MINUTES", 15))
+AXES_LOCKOUT_PARAMETERS = ["username", "ip_address"]
+AXES_CLIENT_IP_CALLABLE = "controlplane.jobs.logins.client_address"
+AXES_LOCKOUT_CALLABLE = "controlplane.jobs.logins.locked_out"
+AXES_RESET_ON_SUCCESS = True
+AXES_VERBOSE = False
 LOGIN_URL = "login"
 LOGIN_REDIRECT_URL = "dashboard:jobs"
 LOGOUT_REDIRECT_URL = "login"

@@ -9,13 +9,14 @@ Errors are JSON (``schema.Error``) with the status codes the OpenAPI document de
 from __future__ import annotations
 
 import base64
-import json
 import re
 from typing import TypeVar
 from urllib.parse import urlencode
 
 import msgspec
+import orjson
 from django.contrib.auth import authenticate
+from django.core.exceptions import RequestDataTooBig
 from django.http import HttpRequest, HttpResponse
 
 from controlplane.api import schema
@@ -24,6 +25,7 @@ from controlplane.jobs.models import Job
 from controlplane.jobs.roles import is_operator
 
 MAX_BODY = 64 * 1024
+MAX_DEPTH = 16  # a job spec nests 4 deep (failure_policy[i].match.exit_codes); ingest allows as many
 T = TypeVar("T")
 
 
@@ -123,19 +125,45 @@ def query(request: HttpRequest, type_: type[T]) -> T:
 
 
 def body(request: HttpRequest, type_: type[T]) -> T:
-    """The JSON body as ``type_``: 413 when too large, 400 when not JSON, 422 naming the field."""
-    if len(request.body) > MAX_BODY:
+    """The JSON body as ``type_``: 413 when too large (read no further), 400 when not JSON (NaN and
+    Infinity are not JSON), nested deeper than MAX_DEPTH or holding NUL, 422 naming the field."""
+    try:
+        declared = int(request.META.get("CONTENT_LENGTH") or 0)
+    except ValueError:
+        raise Refused(400, "Content-Length is not a number") from None
+    if declared > MAX_BODY:
         raise Refused(413, f"the body is larger than {MAX_BODY} bytes")
     try:
-        data = json.loads(request.body or b"{}")
-    except (ValueError, UnicodeDecodeError) as e:
-        raise Refused(400, f"malformed JSON: {e}") from None
+        raw = request.body
+    except RequestDataTooBig:
+        raise Refused(413, f"the body is larger than {MAX_BODY} bytes") from None
+    if len(raw) > MAX_BODY:
+        raise Refused(413, f"the body is larger than {MAX_BODY} bytes")
+    try:
+        data = orjson.loads(raw or b"{}")
+    except orjson.JSONDecodeError as e:
+        raise Refused(400, f"malformed JSON (NaN and Infinity are not JSON): {e}") from None
     if not isinstance(data, dict):
         raise Refused(400, "the body must be a JSON object")
+    _check_tree(data, "", 1)
     try:
         return msgspec.convert(data, type_)
     except msgspec.ValidationError as e:
         raise _invalid(e, "field") from None
+
+
+def _check_tree(v, path: str, depth: int) -> None:
+    if isinstance(v, dict | list):
+        if depth > MAX_DEPTH:
+            raise Refused(400, f"depth limit exceeded: the body nests deeper than {MAX_DEPTH} levels",
+                          field=path.lstrip(".") or None)
+        items = v.items() if isinstance(v, dict) else enumerate(v)
+        for k, x in items:
+            if isinstance(k, str) and "\x00" in k:
+                raise Refused(400, "a key holds NUL (\\u0000)", field=path.lstrip(".") or None)
+            _check_tree(x, f"{path}.{k}" if isinstance(k, str) else f"{path}[{k}]", depth + 1)
+    elif isinstance(v, str) and "\x00" in v:
+        raise Refused(422, "must not hold NUL (\\u0000)", field=path.lstrip(".") or None)
 
 
 def next_link(request: HttpRequest, q: schema.Page, after: int | None) -> str | None:

@@ -67,7 +67,7 @@ ROUTES = (
 )
 
 ERRORS = {
-    400: "The body is not a JSON object.",
+    400: "The body is not a JSON object (malformed, NaN or Infinity, nested deeper than 16 levels).",
     401: "No valid credentials: send an API token (Authorization: Bearer), HTTP Basic credentials of an "
          "Unbroken account, or a session cookie.",
     403: "Not an operator, or a session write without its CSRF token.",

@@ -94,7 +94,10 @@ def _create_job(request: HttpRequest) -> HttpResponse:
         return error(422, str(e), fields=e.errors)
     problems = launch_services.preflight(spec=spec)
     if problems:
-        return error(422, "cannot launch: " + "; ".join(problems), preflight=problems)
+        named = {p.split(" ", 1)[0]: p for p in problems
+                 if p.split(" ", 1)[0] in ("entrypoint", "working_dir")}
+        return error(422, "cannot launch: " + "; ".join(problems), preflight=problems,
+                     field=next(iter(named), None), fields=named or None)
     job = services.create_job(name=data.name, spec=spec, created_by=user,
                               remote_addr=request.META.get("REMOTE_ADDR"),
                               notify_webhook_url=data.notify_webhook_url, notify_email=data.notify_email)

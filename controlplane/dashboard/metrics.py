@@ -3,13 +3,15 @@ written by prometheus_client from one collector (``JobCollector``) that runs a f
 queries per scrape, however many ranks and checkpoints the jobs have.
 
 Auth: with ``UNBROKEN_METRICS_TOKEN`` (or ``UNBROKEN_METRICS_TOKEN_FILE``) set, a scraper must send
-``Authorization: Bearer <token>``. Without it, only loopback clients (a Prometheus or agent on the
-same host) and signed-in users may read; anything else gets 403 naming the variable to set.
+``Authorization: Bearer <token>``. Without it, only clients of ``UNBROKEN_METRICS_ALLOW_NETWORKS`` (by the
+connection's address, never X-Forwarded-For; default loopback) and signed-in users may read; anything
+else gets 403 naming the variables to set.
 """
 
 from __future__ import annotations
 
 import hmac
+import ipaddress
 import os
 from datetime import timedelta
 from pathlib import Path
@@ -32,7 +34,6 @@ from trainer.wire import CheckpointState
 BLOCKING_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 DURABLE_BUCKETS = (0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 AGE_BUCKETS = (1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 3600.0)
-LOOPBACK = ("127.0.0.1", "::1", "::ffff:127.0.0.1")
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
@@ -43,20 +44,36 @@ def metrics_token() -> str:
     return os.environ.get("UNBROKEN_METRICS_TOKEN", "")
 
 
-def _allowed(request) -> tuple[bool, int, str]:
+def from_allowed_network(request) -> bool:
+    """Whether the connection's address (REMOTE_ADDR, not a header) is in UNBROKEN_METRICS_ALLOW_NETWORKS."""
+    try:
+        addr = ipaddress.ip_address(request.META.get("REMOTE_ADDR") or "")
+    except ValueError:
+        return False
+    if getattr(addr, "ipv4_mapped", None):
+        addr = addr.ipv4_mapped
+    return any(addr in ipaddress.ip_network(n, strict=False) for n in settings.METRICS_ALLOW_NETWORKS)
+
+
+def scraper_allowed(request) -> tuple[bool, int, str]:
+    """/metrics' rule without the session: the token when one is set, else the allowed networks."""
     token = metrics_token()
     if token:
         sent = request.headers.get("Authorization", "")
         if sent.startswith("Bearer ") and hmac.compare_digest(sent[7:].strip(), token):
             return True, 200, ""
         return False, 401, "send Authorization: Bearer <UNBROKEN_METRICS_TOKEN>\n"
-    if request.META.get("REMOTE_ADDR") in LOOPBACK or request.user.is_authenticated:
+    if from_allowed_network(request):
         return True, 200, ""
-    return (
-        False,
-        403,
-        "metrics are open to loopback only; set UNBROKEN_METRICS_TOKEN to let remote scrapers in\n",
-    )
+    return (False, 403, "metrics are open to UNBROKEN_METRICS_ALLOW_NETWORKS (default: loopback) only; set "
+                        "UNBROKEN_METRICS_TOKEN or allow the scraper's network\n")
+
+
+def _allowed(request) -> tuple[bool, int, str]:
+    ok, status, why = scraper_allowed(request)
+    if ok or request.user.is_authenticated:
+        return True, 200, ""
+    return ok, status, why
 
 
 def _histogram(qs, value, buckets: tuple[float, ...], *,

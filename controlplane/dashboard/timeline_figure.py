@@ -8,6 +8,8 @@ The spans it draws come from ``timeline.py`` (facts -> phases); the words and nu
 from __future__ import annotations
 
 from collections import defaultdict
+from functools import partial
+from html import escape
 
 from controlplane.dashboard.charts import BASE_LAYOUT, LAYER_NAMES, fmt_s, hms, ms
 from controlplane.dashboard.timeline import (
@@ -22,6 +24,10 @@ from controlplane.dashboard.timeline import (
     TRAINING,
     Span,
 )
+
+# Hover text is plotly's pseudo-HTML (<b>, <br>, <a href>, <span style>): what a job or a person wrote
+# (messages, reasons, names) is escaped so it cannot make a link or styled text; plotly shows &lt; as <.
+esc = partial(escape, quote=False)
 
 MAX_SPANS = 400  # per lane (job-wide counts as one lane)
 MAX_BINS = 600
@@ -205,7 +211,7 @@ def timeline_figure(
             length.append(max(1, ms(s.end) - ms(s.start)))
             dur = "running" if s.open else fmt_s(s.end - s.start)
             text.append(
-                f"<b>{phase}</b> · {who}<br>{s.label}<br>{hms(s.start)} → "
+                f"<b>{phase}</b> · {who}<br>{esc(s.label)}<br>{hms(s.start)} → "
                 f"{'now' if s.open else hms(s.end)} UTC ({dur})"
             )
             if s.open:
@@ -273,7 +279,7 @@ def timeline_figure(
                 "marker": {"symbol": "diamond", "size": 11, "color": LAYER_COLORS.get(layer, "#7f7f7f")},
                 "customdata": [
                     f"<b>{c['title']}</b> at {hms(c['start'])} UTC"
-                    f"{'<br>' + c['reason'] if c['reason'] else ''}"
+                    f"{'<br>' + esc(c['reason']) if c['reason'] else ''}"
                     f"{_asked_by(by_command.get(c.get('command_id')))}<br>"
                     + " · ".join(f"{k.replace('_', ' ')} {fmt_s(v)}" for k, v in dd.items())
                     + f"<br>recovery {fmt_s(c['recovery_s']) if c['first_step_at'] else 'in progress'}"
@@ -315,9 +321,10 @@ def timeline_figure(
                 },
                 "customdata": [
                     f"<b>fault: {cls}</b> · rank {f['rank'] if f['rank'] is not None else '–'}"
-                    f"{' (' + f['node'] + ')' if f['node'] else ''}<br>at {hms(f['at'])} UTC · detected by "
-                    f"{f['detected_by']} after {fmt_s(f['detection_s'])}"
-                    f"{'<br>' + fault_outcome_words(f) if f['layer'] else ''}<br>{(f['message'] or '')[:160]}"
+                    f"{' (' + esc(f['node']) + ')' if f['node'] else ''}<br>at {hms(f['at'])} UTC"
+                    f" · detected by {f['detected_by']} after {fmt_s(f['detection_s'])}"
+                    f"{'<br>' + fault_outcome_words(f) if f['layer'] else ''}"
+                    f"<br>{esc((f['message'] or '')[:160])}"
                     for f in items
                 ],
                 "hovertemplate": "%{customdata}<extra></extra>",
@@ -337,7 +344,8 @@ def timeline_figure(
                 "x": [ms(c["issued_at"]) for c in cmds],
                 "y": [0] * len(cmds),
                 "marker": {"symbol": "triangle-down", "size": 11, "color": "#333"},
-                "customdata": [f"<b>{c['summary']}</b><br>by {c['by']} · {c['status']}" for c in cmds],
+                "customdata": [f"<b>{esc(c['summary'])}</b><br>by {esc(c['by'])} · {c['status']}"
+                               for c in cmds],
                 "hovertemplate": "%{customdata}<extra></extra>",
             }
         )
@@ -354,7 +362,8 @@ def timeline_figure(
                 "y": [0] * len(picked),
                 "marker": {"symbol": "diamond", "size": 9, "color": [
                     "#b07aa1" if d["rule"] else "#bab0ac" for d in picked]},
-                "customdata": [f"<b>{d['subject']}: {d['words']}</b><br>{d['why']}" for d in picked],
+                "customdata": [f"<b>{esc(d['subject'])}: {esc(d['words'])}</b><br>{esc(d['why'])}"
+                               for d in picked],
                 "hovertemplate": "%{customdata}<extra></extra>",
             }
         )
@@ -452,4 +461,4 @@ def _asked_by(command: dict | None) -> str:
     """An operator's restart: the command that asked for it, in its cycle's hover."""
     if command is None:
         return ""
-    return f"<br>asked for by {command['by']}: {command['summary']} ({command['status']})"
+    return f"<br>asked for by {esc(command['by'])}: {esc(command['summary'])} ({esc(command['status'])})"

@@ -107,6 +107,13 @@ class Job(models.Model):
         self.token_hash = hash_token(token)
         return token
 
+    @staticmethod
+    def revoke_token(job_id: int, attempt: int) -> bool:
+        """The attempt's processes are gone: its ingest token stops working (a token printed into a log
+        is worthless after its attempt). Conditional on the attempt, so a later attempt's token stays."""
+        qs = Job.objects.filter(pk=job_id, attempt=attempt).exclude(token_hash="")
+        return qs.update(token_hash="") == 1
+
     def token_matches(self, token: str) -> bool:
         return hmac.compare_digest(self.token_hash, hash_token(token))
 

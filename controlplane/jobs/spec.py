@@ -12,7 +12,7 @@ from typing import Any
 
 from trainer.config import TrainConfig
 from trainer.policy import PolicyError, Rule, parse_rules
-from trainer.wire import DrillFault
+from trainer.wire import DrillFault, redact
 
 # The in-process layer's hard timeout, as the trainer defaults it (a spec does not set it).
 _TRAINER_HARD_TIMEOUT_S: float = next(f.default for f in dataclasses.fields(TrainConfig) if f.name == "hard_timeout")
@@ -32,6 +32,15 @@ _RESERVED_ENV = re.compile(r"^(UNBROKEN_|TORCHELASTIC_|RANK$|LOCAL_RANK$|WORLD_S
 # What "looks like a secret" in a name: refused in spec.env and in a Kubernetes wrapper (manifests).
 SECRET_ENV = re.compile(r"(TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL|PRIVATE_KEY|API_KEY|ACCESS_KEY)", re.I)
 DRILLS_FOR_USER_CODE = ("exception", "hang", "sigkill")
+# Every number of the spec has both bounds (an operator's typo or 10**400 must not launch): (lo, hi).
+NUMBER_BOUNDS: dict[str, tuple[float, float]] = {
+    "nodes": (1, 4096), "procs_per_node": (1, 64), "steps": (1, 10**9), "checkpoint_interval": (1, 10**9),
+    "keep_checkpoints": (1, 1000), "storm_restarts": (1, 10000), "max_in_process_restarts": (0, 10000),
+    "max_in_job_restarts": (0, 10000), "max_job_restarts": (0, 1000), "max_no_progress_restarts": (0, 10000),
+    "heartbeat_interval_s": (0.1, 3600), "step_timeout_s": (0.1, 7 * 86400),
+    "checkpoint_timeout_s": (0.1, 7 * 86400), "stall_timeout_s": (0.1, 7 * 86400),
+    "straggler_margin_pct": (0, 1000), "straggler_window_s": (1, 600),
+}
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 _DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
 
@@ -95,8 +104,8 @@ class KubernetesSpec:
         if not self.image.strip():
             errors["kubernetes.image"] = "name the trainer image, e.g. 123456789012.dkr.ecr.us-east-1.amazonaws.com/trainer:1"
         for name in ("gpus_per_node", "efa_per_node"):
-            if getattr(self, name) < 0:
-                errors[f"kubernetes.{name}"] = "must be 0 or more"
+            if not 0 <= getattr(self, name) <= 1024:
+                errors[f"kubernetes.{name}"] = "must be within 0..1024"
         if not _DNS_SUBDOMAIN.match(self.checkpoint_claim):
             errors["kubernetes.checkpoint_claim"] = ("must name a PersistentVolumeClaim (ReadWriteMany, e.g. FSx for "
                                                      "Lustre) in the namespace: lowercase letters, digits, '-', '.'")
@@ -171,9 +180,10 @@ class JobSpec:
     def __post_init__(self) -> None:
         errors: dict[str, str] = {}
 
-        def positive(name: str, lo: float = 1) -> None:
-            if getattr(self, name) < lo:
-                errors[name] = f"must be at least {lo}"
+        def bounded(name: str, lo: float, hi: float) -> None:
+            v = getattr(self, name)  # "not lo <= v <= hi" refuses NaN too
+            if type(v) in (int, float) and not lo <= v <= hi:
+                errors[name] = f"must be within {lo}..{hi}"
 
         if self.backend not in BACKENDS:
             errors["backend"] = f"must be one of {', '.join(BACKENDS)}"
@@ -181,14 +191,8 @@ class JobSpec:
             errors["preset"] = f"must be one of {', '.join(PRESETS)}"
         if self.checkpoint_mode not in CHECKPOINT_MODES:
             errors["checkpoint_mode"] = "must be sync or async"
-        for name in ("nodes", "procs_per_node", "steps", "checkpoint_interval", "keep_checkpoints",
-                     "storm_restarts"):
-            positive(name)
-        for name in ("max_in_process_restarts", "max_in_job_restarts", "max_job_restarts",
-                     "max_no_progress_restarts"):
-            positive(name, 0)
-        for name in ("heartbeat_interval_s", "step_timeout_s", "checkpoint_timeout_s", "stall_timeout_s"):
-            positive(name, 0.1)
+        for name, (lo, hi) in NUMBER_BOUNDS.items():
+            bounded(name, lo, hi)
         if self.straggler_margin_pct != 0 and not 5 <= self.straggler_margin_pct <= 1000:
             errors["straggler_margin_pct"] = ("must be 0 (off) or within 5..1000 percent: below 5 %, ordinary "
                                               "step-to-step noise would mark ranks")
@@ -245,7 +249,9 @@ class JobSpec:
         bad = [k for k, v in self.env.items() if type(k) is not str or not _ENV_NAME.match(k) or type(v) is not str
                or "\x00" in v]
         reserved = [k for k in self.env if type(k) is str and _RESERVED_ENV.match(k)]
-        secret = [k for k in self.env if type(k) is str and SECRET_ENV.search(k)]
+        # A secret by its name (HF_TOKEN, DB_PASS) or by its value's shape (sk-..., AKIA..., ghp_...).
+        secret = [k for k, v in self.env.items() if type(k) is str and (SECRET_ENV.search(k) or (
+            type(v) is str and redact(f"{k}={v}") != f"{k}={v}"))]
         if bad:
             errors["env"] = f"names must be like MY_VAR and values strings: {', '.join(map(str, bad[:3]))}"
         elif reserved:

@@ -27,6 +27,7 @@ from django.conf import settings
 from controlplane.jobs.models import Job
 from controlplane.launchers.base import LaunchError, LaunchFault, PollResult
 from controlplane.launchers.command import launch_args, nvrx_problems
+from controlplane.launchers.isolation import account_problems, job_account, prepare_run_dir, rank_env
 from trainer import nvrx_compat
 from trainer.ports import free_port_block
 from trainer.wire import FaultClass
@@ -69,8 +70,15 @@ class LocalLauncher:
         cpus = os.cpu_count() or 1
         if spec.procs_per_node > 4 * cpus:
             problems.append(f"{spec.procs_per_node} processes on {cpus} CPU cores would crawl; use at most {4 * cpus}")
+        try:
+            account = job_account()
+        except LaunchError as e:
+            return [*problems, str(e)]
+        # The job's account must be able to run this Python and our trainer (not under a 0700 /root).
+        unreachable = account_problems(account, [Path(sys.executable), Path(settings.BASE_DIR) / "trainer"])
+        problems += unreachable
         if spec.entrypoint:
-            problems += _user_code_problems(spec)
+            problems += [] if unreachable else _user_code_problems(spec, account)
         elif spec.preset not in ("tiny", "small"):
             problems.append(f"preset {spec.preset!r} needs GPUs; on this machine use tiny or small")
         # Local ranks run with this process's environment, so its NVRx is theirs.
@@ -103,9 +111,15 @@ class LocalLauncher:
         exit_file = rd / f"exit-{job.attempt}"
         for f in (pid_file, exit_file):
             f.unlink(missing_ok=True)
+        account = job_account()
+        prepare_run_dir(rd, account)
+        home = rd / "home"
+        home.mkdir(exist_ok=True)
+        if account is not None:
+            os.chown(home, account.uid, account.gid)
         env = {
-            **os.environ,
-            **spec.env,
+            # An allowlist of the control plane's environment, never all of it (launchers/isolation.py).
+            **rank_env(dict(os.environ), spec.env, home=str(home)),
             # This tree's trainer and SDK (``unbroken`` lives in trainer/), whatever the venv installed.
             "PYTHONPATH": nvrx_compat.child_pythonpath(
                 [str(settings.BASE_DIR), str(settings.BASE_DIR / "trainer")],
@@ -118,14 +132,14 @@ class LocalLauncher:
             "UNBROKEN_PID_FILE": str(pid_file),
             "UNBROKEN_EXIT_FILE": str(exit_file),
         }
-        # Never hand the control plane's own secrets to the trainer.
-        for key in ("UNBROKEN_SECRET_KEY", "DATABASE_URL", "UNBROKEN_OPERATOR_PASSWORD", "UNBROKEN_TOKEN"):
-            env.pop(key, None)
+        if account is not None:
+            env.update(USER=account.name, LOGNAME=account.name)
+        as_account = _as_account(account)
         with open(log_path, "ab") as log:
             subprocess.run(
                 ["setsid", "-f", "sh", "-c", _SHELL, "unbroken-job", *argv],
                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,
-                cwd=settings.BASE_DIR, check=True,
+                cwd=settings.BASE_DIR, check=True, **as_account,
             )
         pid = _wait_for_pid(pid_file)
         try:
@@ -231,7 +245,7 @@ class LocalLauncher:
         return text
 
 
-def _user_code_problems(spec) -> list[str]:
+def _user_code_problems(spec, account) -> list[str]:
     """The user's code must be where the spec says, on this machine (checked before a job is stored)."""
     workdir = Path(spec.working_dir or settings.BASE_DIR)
     if not workdir.is_dir():
@@ -240,7 +254,63 @@ def _user_code_problems(spec) -> list[str]:
         script = workdir / spec.entrypoint
         if not script.is_file():
             return [f"entrypoint {spec.entrypoint} does not exist in {workdir}"]
-    return []
+        return account_problems(account, [workdir, script])
+    return account_problems(account, [workdir]) or entrypoint_problems(spec, workdir, account)
+
+
+# Run in the job's environment, as its account, from its working directory: does the entrypoint import?
+# A module is looked up without running it (``python -m`` would run it); a function's module is imported
+# and the name must be a Python function of the user's code (not ``os:system``).
+_CHECK_ENTRYPOINT = """
+import importlib, importlib.util, inspect, os, sys, sysconfig
+sys.path.insert(0, os.getcwd())
+ep = sys.argv[1]
+module, _, fn = ep.partition(":")
+std = os.path.realpath(sysconfig.get_paths()["stdlib"])
+try:
+    found = importlib.util.find_spec(module)
+except Exception as e:
+    sys.exit(f"entrypoint {ep}: cannot look up {module}: {type(e).__name__}: {e}")
+if found is None:
+    sys.exit(f"entrypoint {ep}: no module {module} in the working directory or the job's Python path")
+origin = os.path.realpath(found.origin or "") if found.has_location else ""
+if not origin or (origin.startswith(std + os.sep) and "site-packages" not in origin):
+    sys.exit(f"entrypoint {ep}: {module} is not your training code (a built-in or standard-library module)")
+if fn:
+    try:
+        obj = getattr(importlib.import_module(module), fn, None)
+    except BaseException as e:
+        sys.exit(f"entrypoint {ep}: importing {module} failed: {type(e).__name__}: {e}")
+    if not inspect.isfunction(obj):
+        sys.exit(f"entrypoint {ep}: {module} has no Python function {fn}")
+"""
+
+
+def entrypoint_problems(spec, workdir: Path, account) -> list[str]:
+    """Whether a module or function entrypoint imports where the job will run (a script is checked by
+    path): in the ranks' environment, as their account, from their working directory."""
+    own = [str(settings.BASE_DIR), str(settings.BASE_DIR / "trainer")]
+    env = {**rank_env(dict(os.environ), spec.env, home=str(workdir)),
+           "PYTHONPATH": nvrx_compat.child_pythonpath(
+               own, spec.env.get("PYTHONPATH") or os.environ.get("PYTHONPATH")),
+           "PYTHONDONTWRITEBYTECODE": "1"}
+    as_account = _as_account(account)
+    try:
+        done = subprocess.run([sys.executable, "-c", _CHECK_ENTRYPOINT, spec.entrypoint], cwd=workdir,
+                              env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=60,
+                              **as_account)
+    except subprocess.TimeoutExpired:
+        return [f"entrypoint {spec.entrypoint}: importing it took over 60 s"]
+    if done.returncode == 0:
+        return []
+    lines = (done.stderr or "").strip().splitlines()
+    return [lines[-1][:500] if lines else
+            f"entrypoint {spec.entrypoint}: the import check exited {done.returncode}"]
+
+
+def _as_account(account) -> dict:
+    """subprocess.run's arguments that start a process as ``account`` (none: as this process)."""
+    return {"user": account.uid, "group": account.gid, "extra_groups": []} if account is not None else {}
 
 
 def _wait_for_pid(pid_file: Path, timeout_s: float = 10.0) -> int:

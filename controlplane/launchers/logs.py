@@ -1,4 +1,6 @@
-"""The end of a job's log, as the job page and the operator API show it: the text, or why there is none."""
+"""The end of a job's log, as the job page, the operator API and a fault's evidence show it: the text,
+redacted (``trainer.wire.redact``: a script that prints its environment or its ingest token shows no
+secret to a viewer), or why there is none."""
 
 from __future__ import annotations
 
@@ -7,6 +9,7 @@ from dataclasses import dataclass
 import re
 
 from controlplane.jobs.models import Fault, Job
+from trainer.wire import redact
 
 TAIL_BYTES = 12000
 
@@ -28,7 +31,7 @@ def log_tail(job: Job, *, max_bytes: int = TAIL_BYTES) -> LogTail:
         return LogTail(None, f"log not available: {e}")
     if not text:
         return LogTail(None, "no log yet (the job has not started writing one)")
-    return LogTail(text, None)
+    return LogTail(redact(text), None)
 
 
 _NODE_RANK = re.compile(r"\bnode rank (\d+)\b")
@@ -52,4 +55,4 @@ def fault_log(job: Job, fault: Fault, *, max_bytes: int = 64000) -> LogTail:
         which = f"node rank {node}'s pod" if node is not None else "the job's pods"
         return LogTail(None, f"{which} of attempt {job.attempt} has no log (gone with an earlier attempt, or not "
                              "started); Kubernetes keeps a deleted pod's log only in the cluster's log store")
-    return LogTail(text, None)
+    return LogTail(redact(text), None)

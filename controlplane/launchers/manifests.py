@@ -273,6 +273,8 @@ def pod_template(spec: JobSpec, *, job_id: int, attempt: int) -> dict[str, Any]:
         "tolerations": tolerations,
         "terminationGracePeriodSeconds": TERMINATION_GRACE_S,
         "enableServiceLinks": False,
+        # The training code never calls the Kubernetes API: no service account token in its pods.
+        "automountServiceAccountToken": False,
     }
     if k8s.node_selector:
         pod_spec["nodeSelector"] = dict(k8s.node_selector)

@@ -99,6 +99,7 @@ def stop_job_now(*, job_id: int, command_id: int | None, reason: str = "stopped 
         stopped_attempt = job.attempt
         job.refresh_from_db()
         if job.attempt == stopped_attempt:
+            Job.revoke_token(job.pk, stopped_attempt)
             break
     if (job.launcher_state or {}).get("held"):
         Job.objects.filter(pk=job.pk).update(launcher_state={k: v for k, v in job.launcher_state.items()
@@ -132,6 +133,7 @@ def restart_job_now(*, job_id: int, command_id: int | None, reason: str = "resta
         return False
     cycle = begin_job_restart(job=job, reason=reason, fault_at=fault_at)
     get_launcher(job.backend).stop(job, grace_s=STOP_GRACE_S)
+    Job.revoke_token(job.pk, job.attempt)  # the next attempt gets its own (start_attempt)
     RestartCycle.objects.filter(pk=cycle.pk, aborted_at__isnull=True).update(aborted_at=timezone.now())
     claimed = Job.objects.filter(pk=job.pk, attempt=job.attempt).update(attempt=job.attempt + 1, launcher_state={})
     if not claimed:
@@ -178,8 +180,13 @@ def supervise_job(*, job: Job) -> str:
         if set_status(job, JobStatus.FAILED, f"could not start within {PENDING_TIMEOUT}: "
                       f"{result.faults[-1].message}", only_from=ACTIVE_STATUSES):
             get_launcher(job.backend).stop(job, grace_s=STOP_GRACE_S)
+            Job.revoke_token(job.pk, job.attempt)
     elif result.state in ("failed", "lost"):
         _end_of_attempt(job, result)
+    if result.state in ("succeeded", "failed", "lost"):
+        # The attempt's processes are gone: its token goes with them (conditional on the attempt, so a
+        # relaunch above, with its new attempt and token, is untouched).
+        Job.revoke_token(job.pk, job.attempt)
     return result.state
 
 

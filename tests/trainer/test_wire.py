@@ -54,6 +54,27 @@ def test_it_redacts_secrets_from_evidence():
     assert redact("token count 5 at step 410: loss is nan") == "token count 5 at step 410: loss is nan"
 
 
+def test_it_redacts_values_of_secret_names_and_token_shapes_not_code():
+    from trainer.wire import redact
+
+    # Code in a traceback stays code: tokens=, max_tokens=, token_count=, tokenizer= are not secrets.
+    for code in ("    ctx.step(step + 1, loss=loss_v, tokens=batch[0].numel())",
+                 "    ctx.step(step + 1, loss=loss_v, tokens=tokens))",
+                 "generate(ids, max_tokens=128, token_count=n, tokenizer=tok)"):
+        assert redact(code) == code
+    # Idempotent: the trainer, ingest and the page each redact; a second pass adds nothing.
+    once = redact("failed with HF_TOKEN=hf_abcdefghijklmnopqrstuvwx and password: hunter22")
+    assert once == "failed with HF_TOKEN=[redacted] and password: [redacted]"
+    assert redact(redact(once)) == once
+    # An environment printed as a dict, values with known shapes whatever their names, our ingest tokens.
+    assert redact("{'DB_PASS': 'hunter22', 'PATH': '/bin'}") == "{'DB_PASS': '[redacted]', 'PATH': '/bin'}"
+    assert redact("OPENAI_KEY=sk-abcdefghijklmnopqrstuvwx1") == "OPENAI_KEY=[redacted]"
+    shapes = "id AKIAABCDEFGHIJKLMNOP gh ghp_abcdefghijklmnopqrstuvwxyz0123"
+    assert redact(shapes) == "id [redacted] gh [redacted]"
+    assert redact("my token is ubk_" + "x" * 43 + ".") == "my token is [redacted]."
+    assert redact("UNBROKEN_TOKEN_FILE=/data/jobs/3/token") == "UNBROKEN_TOKEN_FILE=/data/jobs/3/token"
+
+
 # --- one definition: the column-wise fast check and the parser are the same rules -----------------------
 
 import math  # noqa: E402

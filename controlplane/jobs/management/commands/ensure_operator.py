@@ -6,7 +6,9 @@ import secrets
 
 from django.contrib.auth import get_user_model
 from django.contrib.auth.models import Group
-from django.core.management.base import BaseCommand
+from django.contrib.auth.password_validation import validate_password
+from django.core.exceptions import ValidationError
+from django.core.management.base import BaseCommand, CommandError
 
 from controlplane.jobs.roles import OPERATORS_GROUP
 
@@ -24,6 +26,10 @@ class Command(BaseCommand):
             self.stdout.write(f"Operator account '{username}' exists (password unchanged).")
             return
         password = os.environ.get("UNBROKEN_OPERATOR_PASSWORD") or secrets.token_urlsafe(12)
+        try:  # the project's validators (settings.AUTH_PASSWORD_VALIDATORS), as for any password
+            validate_password(password, user=User(username=username))
+        except ValidationError as e:
+            raise CommandError("UNBROKEN_OPERATOR_PASSWORD is refused: " + " ".join(e.messages)) from None
         user = User.objects.create_user(username=username, password=password)
         user.groups.add(group)
         if os.environ.get("UNBROKEN_OPERATOR_PASSWORD"):

@@ -29,7 +29,10 @@ class Command(BaseCommand):
         beat_schedule = settings.DATA_DIR / "celerybeat-schedule"
         cmds = {
             "web": [py, "-m", "uvicorn", "controlplane.asgi:application", "--host", host, "--port", str(port),
-                    "--workers", str(web_workers), "--no-access-log", "--timeout-graceful-shutdown", "3"],
+                    "--workers", str(web_workers), "--no-access-log", "--timeout-graceful-shutdown", "3",
+                    # REMOTE_ADDR is the connection's: X-Forwarded-For must not choose it (/metrics,
+                    # lockouts, audit).
+                    "--no-proxy-headers"],
             "worker": [py, "-m", "celery", "-A", "controlplane", "worker", "-Q", "default,launch",
                        "--concurrency", "2", "--loglevel", "INFO", "--without-gossip", "--without-mingle"],
             "beat": [py, "-m", "celery", "-A", "controlplane", "beat", "--loglevel", "INFO",

@@ -97,6 +97,7 @@ def test_it_mounts_checkpoints_host_shm_and_the_token_file():
     assert mounts["dshm"]["mountPath"] == "/dev/shm"
     assert vols["job-token"]["secret"]["secretName"] == secret["metadata"]["name"] == "unbroken-42-token"
     assert mounts["job-token"]["readOnly"] is True
+    assert pod["automountServiceAccountToken"] is False and "serviceAccountName" not in pod
     env = {e["name"]: e for e in c["env"]}
     assert env["UNBROKEN_TOKEN_FILE"]["value"] == f"{mounts['job-token']['mountPath']}/token"
     assert env["UNBROKEN_REPORT_URL"]["valueFrom"]["secretKeyRef"] == {"name": "unbroken-42-token",
@@ -159,7 +160,8 @@ def test_the_jobset_schema_rejects_unknown_and_mistyped_fields():
 
 
 @pytest.mark.parametrize("field,value,message", [
-    ("gpus_per_node", -1, "0 or more"),
+    ("gpus_per_node", -1, "within 0..1024"),
+    ("efa_per_node", 10**6, "within 0..1024"),
     ("gpus_per_node", "8", "integer"),
     ("checkpoint_claim", "FSx_Claim", "PersistentVolumeClaim"),
     ("image", " ", "trainer image"),
