@@ -627,6 +627,12 @@ class Checkpointer:
 
     def save(self, state: Stateful, step: int, *, mode: CheckpointMode | None = None) -> None:
         mode = mode or self.mode
+        if not dist.is_initialized():
+            # A restart's abort destroyed the process groups between this rank's step and its save (NVRx
+            # interrupts the main thread a moment after the abort). DCP would then save as a single process:
+            # this rank's shards alone, made durable by rank 0 and unloadable by every restart after it.
+            log.warning("checkpoint of step %d not saved: the process group is gone (a restart aborted it)", step)
+            return
         t0 = time.perf_counter()  # waiting for the previous save is this one's blocking time
         self.wait()  # at most one save in flight
         state.step = step

@@ -296,3 +296,26 @@ def test_its_shards_skip_the_zip_checksum_that_torch_load_never_checks_and_still
     buf = io.BytesIO()
     torch.save(torch.arange(4.0), buf)
     assert all(e.CRC != 0 for e in zipfile.ZipFile(buf).infolist() if e.file_size)
+
+
+def test_a_save_after_a_restart_aborted_the_process_group_writes_nothing_durable(tmp_path, caplog):
+    """NVRx's abort destroys the process groups a moment before it interrupts the main thread; a save called
+    in between must not run as DCP's single-process save (one rank's shards, made durable by rank 0: every
+    later restore fails with 'Missing key ... rank1')."""
+    import torch.distributed as dist
+
+    from trainer.checkpoint import Checkpointer
+    from trainer.wire import CheckpointMode
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        state, _, _ = _app(0)
+        ck = Checkpointer(root=str(tmp_path), mode=CheckpointMode.SYNC, keep=2, pg=dist.new_group(backend="gloo"),
+                          report=lambda *a, **k: None)
+    finally:
+        dist.destroy_process_group()  # the abort
+    with caplog.at_level(logging.WARNING, logger="trainer.checkpoint"):
+        ck.save(state, 80)
+        ck.save(state, 80, mode=CheckpointMode.ASYNC)
+    assert latest_durable(str(tmp_path)) is None and list_checkpoints(str(tmp_path)) == []
+    assert "checkpoint of step 80 not saved: the process group is gone" in caplog.text
