@@ -9,6 +9,9 @@ import pytest
 
 CHROMIUM = "/usr/bin/chromium"
 ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts"
+# The docs site's pictures (docs/getting-started.md, the README): taken here, so they show the pages as
+# they are.
+DOCS_IMG = Path(__file__).resolve().parents[2] / "docs" / "img"
 
 
 @pytest.fixture
@@ -37,6 +40,17 @@ def shot():
 
     def _shot(page, name: str) -> None:
         page.screenshot(path=str(ARTIFACTS / f"{name}.png"), full_page=True)
+
+    return _shot
+
+
+@pytest.fixture
+def docs_shot():
+    """Save what the browser shows (the viewport, not the whole page) as ``docs/img/<name>.png``."""
+
+    def _shot(page, name: str) -> None:
+        page.wait_for_timeout(300)  # let plotly finish its transition
+        page.screenshot(path=str(DOCS_IMG / f"{name}.png"))
 
     return _shot
 
