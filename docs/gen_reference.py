@@ -10,9 +10,11 @@ the build touches no server.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import re
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -29,6 +31,7 @@ def _setup_django() -> None:
     if _django_ready:
         return
     data = tempfile.mkdtemp(prefix="unbroken-docs-")
+    atexit.register(shutil.rmtree, data, ignore_errors=True)
     for name in ("DATABASE_URL", "REDIS_URL", "KUBECONFIG", "UNBROKEN_METRICS_TOKEN",
                  "UNBROKEN_METRICS_TOKEN_FILE"):
         os.environ.pop(name, None)

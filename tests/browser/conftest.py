@@ -46,11 +46,18 @@ def shot():
 
 @pytest.fixture
 def docs_shot():
-    """Save what the browser shows (the viewport, not the whole page) as ``docs/img/<name>.png``."""
+    """Save what the browser shows as ``docs/img/<name>.png``: the viewport (its top ``height`` pixels when
+    given), or one element of the page (``selector``)."""
 
-    def _shot(page, name: str) -> None:
+    def _shot(page, name: str, *, selector: str | None = None, height: int | None = None) -> None:
         page.wait_for_timeout(300)  # let plotly finish its transition
-        page.screenshot(path=str(DOCS_IMG / f"{name}.png"))
+        path = str(DOCS_IMG / f"{name}.png")
+        if selector:
+            page.locator(selector).screenshot(path=path)
+        else:
+            size = page.viewport_size
+            clip = {"x": 0, "y": 0, "width": size["width"], "height": height or size["height"]}
+            page.screenshot(path=path, clip=clip)
 
     return _shot
 

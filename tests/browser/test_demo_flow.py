@@ -115,7 +115,7 @@ def test_it_shows_a_fault_live_and_restarts_in_process(live_server, browser, sho
     page.wait_for_url(f"{base}/")
     assert page.locator("table.jobs").get_by_text("demo").count() >= 1
     shot(page, "01-jobs-list")
-    docs_shot(page, "tour-01-jobs")
+    docs_shot(page, "tour-01-jobs", height=220)
     page.goto(f"{base}/jobs/new/?preset=demo")
     page.locator("form.jobform").wait_for()
     docs_shot(page, "tour-02-new-job")
@@ -240,7 +240,7 @@ def test_it_shows_a_fault_live_and_restarts_in_process(live_server, browser, sho
     page.locator("[data-testid=commands] .cmd-acked").wait_for(timeout=5000)
     page.wait_for_selector("#part-timeline .main-svg")
     shot(page, "05-after-restart")
-    docs_shot(page, "tour-06-after-restart")
+    docs_shot(page, "tour-06-after-restart", selector="#part-commands")
 
     page.set_viewport_size({"width": 390, "height": 844})
     page.reload()
