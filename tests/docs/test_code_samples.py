@@ -4,6 +4,8 @@
   (indentation and the ``# unbroken`` markers aside; ``...`` stands for unchanged lines).
 - The curl examples run, as written, against a live test server: a real ``curl``, the docs' URL and
   ``$PASS`` pointed at it.
+- The Level-2 sketch makes its SDK calls as ``fsdp_level2.py`` does; every JSON spec sample (the docs'
+  and deploy/README.md's) is accepted by the spec's validator.
 """
 
 from __future__ import annotations
@@ -133,3 +135,63 @@ def test_it_runs_every_curl_example_against_the_server(live_server):
             # The demo's restart command acts on a running job: as if its launcher had started it.
             Job.objects.filter(pk=job_id).update(status="running")
     assert job_id is not None
+
+
+def _statements(source: str) -> list[str]:
+    """The statements of a block of Python, one per line: comments dropped, ``a; b`` split, spaces
+    normalised."""
+    out = []
+    for line in source.splitlines():
+        line = re.sub(r"\s+#.*$", "", line).strip()
+        out.extend(" ".join(part.split()) for part in line.split(";") if part.strip())
+    return out
+
+
+@pytest.mark.parametrize("where,sample", _blocks("python"),
+                         ids=lambda v: v.name if isinstance(v, Path) else "")
+def test_it_makes_every_sdk_call_of_a_python_sample_as_the_level2_example_does(where, sample):
+    """The Level-2 sketch parses, and every SDK call it shows is a line of ``fsdp_level2.py``, in its
+    order."""
+    import ast
+
+    ast.parse(sample)
+    example = _statements((EXAMPLES / "fsdp_level2.py").read_text())
+    calls = [s for s in _statements(sample)
+             if ("ctx." in s or s.startswith("@unbroken")) and not s.startswith("def ")]
+    assert calls, f"{where}: a python sample without SDK calls"
+    i = 0
+    for call in calls:
+        while i < len(example) and example[i] != call:
+            i += 1
+        assert i < len(example), f"{where}: {call!r} is not in trainer/examples/fsdp_level2.py (in order)"
+
+
+def _spec_samples() -> list[tuple[Path, dict]]:
+    """Every JSON sample that is a job spec or a part of one (a fragment ``"name": value`` is wrapped in
+    {})."""
+    out = []
+    for page, block in _blocks("json") + [(ROOT / "deploy" / "README.md", m.group(1)) for m in re.finditer(
+            r"^```json\n(.*?)^```", (ROOT / "deploy" / "README.md").read_text(), re.S | re.M)]:
+        text = block.strip()
+        out.append((page, json.loads("{" + text + "}" if text.startswith('"') else text)))
+    return out
+
+
+def test_it_accepts_every_spec_sample_of_the_docs():
+    from controlplane.jobs.spec import JobSpec, KubernetesSpec
+
+    spec_fields = set(JobSpec.__dataclass_fields__ if hasattr(JobSpec, "__dataclass_fields__")
+                      else JobSpec.__struct_fields__)
+    k8s_fields = set(KubernetesSpec.__dataclass_fields__ if hasattr(KubernetesSpec, "__dataclass_fields__")
+                     else KubernetesSpec.__struct_fields__)
+    samples = _spec_samples()
+    assert len(samples) >= 5, samples
+    for page, sample in samples:
+        if set(sample) <= spec_fields:
+            data = sample
+        else:
+            assert set(sample) <= k8s_fields, f"{page}: {sample} is neither a spec nor its kubernetes block"
+            data = {"backend": "kubernetes", "kubernetes": sample}
+        if "kubernetes" in data:
+            data = {"backend": "kubernetes", **data}
+        JobSpec.from_dict(data)  # a SpecError names the field the sample gets wrong
