@@ -78,12 +78,13 @@ _MEANINGS = {
     "JobSpec.max_in_job_restarts": "In-job restarts allowed per attempt.",
     "JobSpec.max_job_restarts": "Job-level relaunches allowed.",
     "JobSpec.heartbeat_interval_s": "Seconds between a rank's heartbeats to the control plane.",
-    "JobSpec.step_timeout_s": "A rank whose step has not moved for this long in a fast phase is hung "
-                              "(the watchdog's deadline and ft_launcher's).",
+    "JobSpec.step_timeout_s": "A rank whose newest heartbeat is older than this in a fast phase is lost "
+                              "(the SDK beats from the step, so a hung loop stops beating); ft_launcher's "
+                              "step timeout on the node.",
     "JobSpec.checkpoint_timeout_s": "The deadline instead of `step_timeout_s` while a rank is in a slow "
                                     "phase (`checkpoint_save`, `checkpoint_load`, `eval`).",
-    "JobSpec.stall_timeout_s": "A job whose ranks beat but whose step does not move for this long is "
-                               "stalled.",
+    "JobSpec.stall_timeout_s": "A training rank that beats but whose step does not move for this long is "
+                               "stalled (alive but stuck).",
     "JobSpec.storm_restarts": "Restarts without step progress after which the job is stopped (a restart "
                               "storm).",
     "JobSpec.straggler_window_s": "Seconds over which a rank averages its own work per step (`busy_s`).",
