@@ -308,7 +308,28 @@ def metrics_reference() -> str:
     return "\n".join(rows)
 
 
+# --- Import contracts ------------------------------------------------------------------------------------
+
+def import_contracts() -> str:
+    """The import-linter contracts of pyproject.toml, as `lint-imports` checks them."""
+    import tomllib
+
+    contracts = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
+    rows = ["| Contract | Kind | What it holds |", "|---|---|---|"]
+    for c in contracts:
+        if c["type"] == "layers":
+            layers = [", ".join(f"`{m.strip()}`" for m in layer.split("|")) for layer in c["layers"]]
+            held = " over ".join(layers) + f" in `{', '.join(c['containers'])}`: none imports a layer above it"
+        elif c["type"] == "forbidden":
+            held = f"`{', '.join(c['source_modules'])}` never imports `{', '.join(c['forbidden_modules'])}`"
+        else:
+            held = ", ".join(f"`{m}`" for m in c.get("ancestors", c.get("modules", ())))
+        rows.append(f"| `{c['id']}`: {_cell(c['name'])} | {c['type']} | {_cell(held)} |")
+    return "\n".join(rows)
+
+
 GENERATORS = {
+    "import-contracts": import_contracts,
     "job-spec": spec_reference,
     "operator-api": lambda: openapi_markdown(operator_openapi()),
     "ingest-api": lambda: openapi_markdown(ingest_openapi()),
