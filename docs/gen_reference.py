@@ -319,7 +319,8 @@ def import_contracts() -> str:
     for c in contracts:
         if c["type"] == "layers":
             layers = [", ".join(f"`{m.strip()}`" for m in layer.split("|")) for layer in c["layers"]]
-            held = " over ".join(layers) + f" in `{', '.join(c['containers'])}`: none imports a layer above it"
+            where = ", ".join(c["containers"])
+            held = " over ".join(layers) + f" in `{where}`: none imports a layer above it"
         elif c["type"] == "forbidden":
             held = f"`{', '.join(c['source_modules'])}` never imports `{', '.join(c['forbidden_modules'])}`"
         else:
