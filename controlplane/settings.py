@@ -1,4 +1,4 @@
-"""Settings, read from the environment only. Every variable is documented in the README's table.
+"""Settings, read from the environment only. Every variable is documented in docs/reference/environment.md.
 
 Features turn on when their variable is present: DATABASE_URL (else embedded SQLite),
 REDIS_URL (else an embedded filesystem broker for Celery and the database for heartbeats).

@@ -13,7 +13,7 @@ compared on a falling curve at different points and the one seen later would loo
 The ``slow_rank`` drill makes a rank a straggler on purpose: from its step on, the rank spends an extra
 ``fraction`` of its own work per step busy (a CPU spin on the training thread, as a slower processor
 would). Accepted trade-off: on GPUs the training thread's CPU time follows kernel launches, not kernel
-time; NVRx's CUPTI-based straggler detection is the tool there (see the README).
+time; NVRx's CUPTI-based straggler detection is the tool there (see docs/concepts/stragglers.md).
 """
 
 from __future__ import annotations

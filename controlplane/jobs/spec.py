@@ -163,15 +163,15 @@ class JobSpec:
     node_agent: bool = False
     # Fork each rank from a warm fork server (trainer/preload.py): an in-job restart's new ranks skip
     # ~2 s of imports, but measured here forked ranks' steps ran ~8 % slower than fresh processes'
-    # (README, "Warm ranks"): worth it only where in-job restarts come every ~25 s.
+    # (docs/concepts/restart-layers.md, "Warm ranks"): worth it only where in-job restarts come every ~25 s.
     fork_ranks: bool = False
     drills: tuple[Drill, ...] = ()
     # Rules from a fault (class, exit code, signal, pod reason) to an action; none: each layer's default.
-    # See trainer/policy.py and the README, "Failure policies".
+    # See trainer/policy.py and docs/guides/failure-policies.md.
     failure_policy: tuple[Rule, ...] = ()
     kubernetes: KubernetesSpec | None = None
-    # The user's own training code ("" = the built-in example model, ``preset``). See the README,
-    # "Bring your own training script".
+    # The user's own training code ("" = the built-in example model, ``preset``). See
+    # docs/guides/your-own-script.md.
     entrypoint: str = ""
     args: tuple[str, ...] = ()
     working_dir: str = ""  # local: an absolute directory on this machine; kubernetes: the container's
@@ -334,7 +334,7 @@ def _check_types(cls: type, kwargs: dict[str, Any]) -> None:
 
 # The demo runs for several minutes (about 5 on a laptop CPU, at ~5 steps/s) so a newcomer can try a
 # manual restart and a fault injection while it runs; its two drills come about a fifth and three fifths
-# of the way in. The README's API example starts the same job.
+# of the way in. The docs' API example (docs/getting-started.md) starts the same job.
 DEMO_SPEC = JobSpec(
     preset="tiny",
     steps=1500,

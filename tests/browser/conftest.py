@@ -9,6 +9,9 @@ import pytest
 
 CHROMIUM = "/usr/bin/chromium"
 ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts"
+# The docs site's pictures (docs/getting-started.md, the README): taken here, so they show the pages as
+# they are.
+DOCS_IMG = Path(__file__).resolve().parents[2] / "docs" / "img"
 
 
 @pytest.fixture
@@ -37,6 +40,24 @@ def shot():
 
     def _shot(page, name: str) -> None:
         page.screenshot(path=str(ARTIFACTS / f"{name}.png"), full_page=True)
+
+    return _shot
+
+
+@pytest.fixture
+def docs_shot():
+    """Save what the browser shows as ``docs/img/<name>.png``: the viewport (its top ``height`` pixels when
+    given), or one element of the page (``selector``)."""
+
+    def _shot(page, name: str, *, selector: str | None = None, height: int | None = None) -> None:
+        page.wait_for_timeout(300)  # let plotly finish its transition
+        path = str(DOCS_IMG / f"{name}.png")
+        if selector:
+            page.locator(selector).screenshot(path=path)
+        else:
+            size = page.viewport_size
+            clip = {"x": 0, "y": 0, "width": size["width"], "height": height or size["height"]}
+            page.screenshot(path=path, clip=clip)
 
     return _shot
 

@@ -65,7 +65,7 @@ def beats(step: int) -> list[dict]:
     ]
 
 
-def test_it_shows_a_fault_live_and_restarts_in_process(live_server, browser, shot):
+def test_it_shows_a_fault_live_and_restarts_in_process(live_server, browser, shot, docs_shot):
     user = User.objects.create_user("operator", password=PASSWORD)
     user.groups.add(Group.objects.get_or_create(name=OPERATORS_GROUP)[0])
     now = timezone.now()
@@ -115,10 +115,15 @@ def test_it_shows_a_fault_live_and_restarts_in_process(live_server, browser, sho
     page.wait_for_url(f"{base}/")
     assert page.locator("table.jobs").get_by_text("demo").count() >= 1
     shot(page, "01-jobs-list")
+    docs_shot(page, "tour-01-jobs", height=220)
+    page.goto(f"{base}/jobs/new/?preset=demo")
+    page.locator("form.jobform").wait_for()
+    docs_shot(page, "tour-02-new-job")
 
     page.goto(f"{base}/jobs/{job.pk}/")
     page.wait_for_selector("#part-timeline .main-svg")
     shot(page, "02-job-page")
+    docs_shot(page, "tour-03-job-page")
     assert page.locator("#part-timeline").get_by_text("fault · exception").count() == 0
 
     # A fault and its restart cycle arrive through the ingest API, as the trainer reports them.
@@ -167,6 +172,7 @@ def test_it_shows_a_fault_live_and_restarts_in_process(live_server, browser, sho
     )
     assert page.evaluate("performance.getEntriesByType('navigation').length") == 1  # no reload happened
     shot(page, "03-fault-live")
+    docs_shot(page, "job-page-recovery")
     assert shown_after < 3.0, f"the fault took {shown_after:.2f} s to show"
 
     # Recovery completes; the band gets its durations.
@@ -207,6 +213,7 @@ def test_it_shows_a_fault_live_and_restarts_in_process(live_server, browser, sho
     dialog = page.locator("dialog.confirm-dialog")
     dialog.wait_for(state="visible")
     shot(page, "04-confirm-dialog")
+    docs_shot(page, "tour-05-confirm")
     dialog.locator("[data-confirm-ok]").click()
     page.wait_for_load_state("load")
     page.locator("[data-testid=commands]").get_by_text("restart (in-process)").wait_for(timeout=5000)
@@ -233,6 +240,7 @@ def test_it_shows_a_fault_live_and_restarts_in_process(live_server, browser, sho
     page.locator("[data-testid=commands] .cmd-acked").wait_for(timeout=5000)
     page.wait_for_selector("#part-timeline .main-svg")
     shot(page, "05-after-restart")
+    docs_shot(page, "tour-06-after-restart", selector="#part-commands")
 
     page.set_viewport_size({"width": 390, "height": 844})
     page.reload()

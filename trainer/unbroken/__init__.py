@@ -36,8 +36,8 @@ Level 2 (your training function is what restarts re-enter; one resume path for e
 Every call is a no-op when the product did not start the process, so the same script runs under plain
 ``torchrun`` or ``python`` (Level 2 then only creates the process group). No call raises into your loop,
 except a fault drill you asked for.
-Without any of these calls (Level 0), the product still supervises the script: see the README,
-"Bring your own training script".
+Without any of these calls (Level 0), the product still supervises the script: see the docs,
+"Your own training script" (docs/guides/your-own-script.md).
 """
 
 from __future__ import annotations
