@@ -202,6 +202,10 @@ class JobSpec:
             errors["kubernetes"] = "the kubernetes backend needs its settings (namespace, image, ...)"
         if self.kubernetes is not None and not _DNS_LABEL.match(self.kubernetes.namespace or ""):
             errors["kubernetes.namespace"] = "must be a DNS label (lowercase letters, digits, '-')"
+        hard = _TRAINER_HARD_TIMEOUT_S
+        if self.in_process and self.in_job and not self.step_timeout_s > hard:
+            errors["step_timeout_s"] = (f"must be more than {hard:g} s, the in-process layer's hard timeout: "
+                                        "ft_launcher must not end a rank the in-process layer can still restart")
         errors.update(self._user_code_errors())
         try:
             parse_rules(list(self.failure_policy), in_process=self.in_process, in_job=self.in_job,
@@ -235,10 +239,6 @@ class JobSpec:
             errors["args"] = "at most 256 arguments and 16 KiB in all"
         elif self.args and not self.entrypoint:
             errors["args"] = "arguments go to your own script: set entrypoint too"
-        hard = _TRAINER_HARD_TIMEOUT_S
-        if self.entrypoint and self.in_process and self.in_job and not self.step_timeout_s > hard:
-            errors["step_timeout_s"] = (f"must be more than {hard:g} s, the in-process layer's hard timeout: "
-                                        "ft_launcher must not end a rank the in-process layer can still restart")
         if self.working_dir and (type(self.working_dir) is not str or not self.working_dir.startswith("/")
                                  or "\x00" in self.working_dir):
             errors["working_dir"] = "must be an absolute directory path, e.g. /home/me/project"
@@ -264,6 +264,12 @@ class JobSpec:
     @property
     def world_size(self) -> int:
         return self.nodes * self.procs_per_node
+
+    @property
+    def startup_timeout_s(self) -> float:
+        """How long ft_launcher waits for a rank's first heartbeat: imports, rendezvous and a checkpoint
+        load come before it."""
+        return max(120.0, 2 * self.step_timeout_s)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> JobSpec:

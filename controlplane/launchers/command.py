@@ -27,23 +27,16 @@ def trainer_args(spec: JobSpec, *, report_url: str = "") -> list[str]:
     """Flags of the training loop (``python -m trainer`` parses them; ``trainer.launch`` passes them on).
 
     For the user's own code (``spec.entrypoint``) they are the shim's: reporting, drills, the layers'
-    timeouts and the checkpoint settings the SDK's full level uses (no model: the user's code has it)."""
-    if spec.entrypoint:
-        args = ["--in-process" if spec.in_process else "--no-in-process", "--steps", str(spec.steps),
-                "--ckpt-interval", str(spec.checkpoint_interval), "--ckpt-mode", spec.checkpoint_mode,
-                "--keep-ckpts", str(spec.keep_checkpoints),
-                "--step-timeout", _num(spec.step_timeout_s),
-                "--ckpt-timeout", _num(spec.checkpoint_timeout_s),
-                "--startup-timeout", _num(max(120.0, 2 * spec.step_timeout_s))]
-    else:
-        args = [
-            "--preset", spec.preset,
-            "--steps", str(spec.steps),
-            "--ckpt-interval", str(spec.checkpoint_interval),
-            "--ckpt-mode", spec.checkpoint_mode,
-            "--keep-ckpts", str(spec.keep_checkpoints),
-            "--in-process" if spec.in_process else "--no-in-process",
-        ]
+    timeouts and the checkpoint settings the SDK's full level uses; the built-in model adds its preset."""
+    args = [] if spec.entrypoint else ["--preset", spec.preset]
+    # The deadlines ft_launcher and the ranks work to are the spec's, the same the control plane judges by,
+    # for the built-in model as for the user's code.
+    args += ["--in-process" if spec.in_process else "--no-in-process", "--steps", str(spec.steps),
+             "--ckpt-interval", str(spec.checkpoint_interval), "--ckpt-mode", spec.checkpoint_mode,
+             "--keep-ckpts", str(spec.keep_checkpoints),
+             "--step-timeout", _num(spec.step_timeout_s),
+             "--ckpt-timeout", _num(spec.checkpoint_timeout_s),
+             "--startup-timeout", _num(spec.startup_timeout_s)]
     if spec.local_checkpoint_copy and spec.checkpoint_mode == "async":
         args += ["--local-ckpt-dir", LOCAL_CHECKPOINT_ROOT]
     if spec.in_process:

@@ -18,8 +18,9 @@ def test_it_builds_the_exact_argv():
     assert argv == [
         "--nnodes", "1", "--node-rank", "0", "--nproc-per-node", "4", "--rdzv-endpoint", "127.0.0.1:29400",
         "--max-restarts", "4", "--in-job", "--run-dir", "/runs/9", "--job-id", "9", "--attempt", "2", "--",
-        "--preset", "small", "--steps", "500", "--ckpt-interval", "25", "--ckpt-mode", "sync", "--keep-ckpts", "2",
-        "--in-process", "--max-in-process-restarts", "7", "--report-interval", "0.5",
+        "--preset", "small", "--in-process", "--steps", "500", "--ckpt-interval", "25", "--ckpt-mode", "sync",
+        "--keep-ckpts", "2", "--step-timeout", "30", "--ckpt-timeout", "300", "--startup-timeout", "120",
+        "--max-in-process-restarts", "7", "--report-interval", "0.5",
         "--drill", "60:exception:1", "--drill", "150:sigkill:0", "--report-url", "http://cp:8000",
     ]
 
