@@ -23,7 +23,6 @@ _STOPPED = Phase.STOPPED.value
 _TRAIN = Phase.TRAIN.value
 _SLOW_PHASES = frozenset(p.value for p in wire.SLOW_PHASES)
 _SLOW_OR_STOPPED = _SLOW_PHASES | {_STOPPED}
-_SPEC_DEFAULTS = {f.name: f.default for f in dataclasses.fields(JobSpec)}
 
 
 def utc(ts: float) -> datetime:
@@ -39,12 +38,8 @@ class Timeouts:
     stall_s: float
 
     @classmethod
-    def of(cls, spec: dict) -> Timeouts:
-        # The defaults are JobSpec's (one definition); the stored dict is read as is (no parse per batch).
-        d = _SPEC_DEFAULTS
-        return cls(step_s=float(spec.get("step_timeout_s", d["step_timeout_s"])),
-                   checkpoint_s=float(spec.get("checkpoint_timeout_s", d["checkpoint_timeout_s"])),
-                   stall_s=float(spec.get("stall_timeout_s", d["stall_timeout_s"])))
+    def of(cls, spec: JobSpec) -> Timeouts:
+        return cls(step_s=spec.step_timeout_s, checkpoint_s=spec.checkpoint_timeout_s, stall_s=spec.stall_timeout_s)
 
     def deadline(self, phase: str, at: float) -> float | None:
         """A rank's deadline in unix seconds: ``wire.SLOW_PHASES`` get the checkpoint timeout; a stopped

@@ -25,7 +25,7 @@ from django.conf import settings
 
 from controlplane.jobs.models import Job
 from controlplane.launchers.base import LaunchError, LaunchFault, PollResult
-from controlplane.launchers.command import launch_args, nvrx_problems
+from controlplane.launchers.command import launch_args, launch_env, nvrx_problems
 from trainer import nvrx_compat
 from trainer.ports import free_port_block
 from trainer.wire import FaultClass
@@ -112,6 +112,7 @@ class LocalLauncher:
             "UNBROKEN_LAUNCH_TAG": launch_tag(job),
             "UNBROKEN_PID_FILE": str(pid_file),
             "UNBROKEN_EXIT_FILE": str(exit_file),
+            **launch_env(spec),
         }
         # Never hand the control plane's own secrets to the trainer.
         for key in ("UNBROKEN_SECRET_KEY", "DATABASE_URL", "UNBROKEN_OPERATOR_PASSWORD", "UNBROKEN_TOKEN"):

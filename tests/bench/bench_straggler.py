@@ -44,7 +44,7 @@ import django  # noqa: E402
 django.setup()
 
 from controlplane.jobs.spec import Drill, JobSpec  # noqa: E402
-from controlplane.launchers.command import trainer_args  # noqa: E402
+from tests.trainer.conftest import spec_flags as trainer_args  # noqa: E402
 from tests.trainer.conftest import Receiver, launch  # noqa: E402
 from tests.trainer.stragglers import straggler_marks as marks  # noqa: E402
 
