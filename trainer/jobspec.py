@@ -196,6 +196,9 @@ class JobSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
     args: Annotated[tuple[str, ...], _d("arguments for the entrypoint")] = ()
     working_dir: Annotated[str, _d("the directory the code runs in (local: an absolute directory on this "
                                    "machine; kubernetes: the container's)")] = ""
+    python: Annotated[str, _d(
+        "local backend: the interpreter of the environment (virtualenv, conda) where ./trainer and torch are "
+        "installed, e.g. /home/me/venv/bin/python; empty: the control plane's own")] = ""
     env: Annotated[dict[str, str], _d("environment variables for the ranks (no secrets: specs are shown in "
                                       "plain text)")] = msgspec.field(default_factory=dict)
 
@@ -220,6 +223,9 @@ class JobSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
                                         "ft_launcher must not end a rank the in-process layer can still restart")
         if self.backend == "local" and self.nodes != 1:
             errors["nodes"] = "the local backend runs on this machine: use 1 node, or the kubernetes backend"
+        if self.python and (self.backend != "local" or not self.python.startswith("/") or "\x00" in self.python):
+            errors["python"] = ("must be an absolute path to an interpreter, for the local backend (kubernetes: "
+                                "the image's)")
         if self.backend == "kubernetes" and self.kubernetes is None:
             errors["kubernetes"] = "the kubernetes backend needs its settings (namespace, image, ...)"
         errors.update(self._user_code_errors())

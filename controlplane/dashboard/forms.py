@@ -170,8 +170,9 @@ class JobForm(forms.Form):
         help_text='optional, as on a command line; it must exec its arguments, e.g. '
                   'bash -c \'source /opt/env.sh && exec "$@"\' --')
 
-    SPEC_FIELDS = tuple(f for f in JobSpec.__struct_fields__ if f not in ("drills", "kubernetes", "args", "env",
-                                                                                  "failure_policy"))
+    # The form's plain fields (python, the local interpreter, is set through the API).
+    SPEC_FIELDS = tuple(f for f in JobSpec.__struct_fields__
+                        if f not in ("drills", "kubernetes", "args", "env", "python", "failure_policy"))
     K8S_FIELDS = KubernetesSpec.__struct_fields__
 
     @classmethod
