@@ -74,7 +74,9 @@ class Drill(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tru
     """Inject ``fault`` into ``rank`` when training reaches ``step`` (once per job)."""
 
     step: Annotated[int, _d("the step before which the fault fires", ge=1)]
-    fault: Annotated[DrillFault, _d("the fault to inject")]
+    # A string checked with the spec's other rules (JobSpec._drill_errors), so that a bad fault is reported
+    # together with every other error of the spec.
+    fault: Annotated[str, _d("the fault to inject: " + ", ".join(f.value for f in DrillFault))]
     rank: Annotated[int, _d("the rank that gets it", ge=0)] = 0
     fraction: Annotated[float, _d("slow_rank only: the extra share of each step the rank spends busy from "
                                   "``step`` on (0.3 = 30 % slower)", gt=0, le=10)] = 0.3
@@ -218,7 +220,7 @@ class JobSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
         if self.step_timeout_s < 2 * self.heartbeat_interval_s:
             errors["step_timeout_s"] = "must be at least twice heartbeat_interval_s, or every beat looks late"
         hard = IN_PROCESS_HARD_TIMEOUT_S
-        if self.in_process and self.in_job and not self.step_timeout_s > hard:
+        if self.in_process and self.in_job and not self.step_timeout_s > hard and "step_timeout_s" not in errors:
             errors["step_timeout_s"] = (f"must be more than {hard:g} s, the in-process layer's hard timeout: "
                                         "ft_launcher must not end a rank the in-process layer can still restart")
         if self.backend == "local" and self.nodes != 1:

@@ -18,8 +18,7 @@ from django.db import models
 from django.utils import timezone
 
 from controlplane.jobs.lost import cycle_steps_lost
-from controlplane.jobs.rank_rows import Timeouts
-from controlplane.jobs.spec import JobSpec
+from controlplane.jobs.spec import JobSpec, Timeouts
 from trainer.wire import CheckpointState, CommandKind, FaultClass, Layer, Phase
 
 TOKEN_PREFIX = "ubk_"
