@@ -14,8 +14,8 @@ import hashlib
 import os
 from dataclasses import dataclass, field
 
-from trainer.jobspec import (ENV_SPEC, IN_PROCESS_HARD_TIMEOUT_S, IN_PROCESS_SOFT_TIMEOUT_S, LOCAL_CHECKPOINT_ROOT,
-                             JobSpec)
+from trainer.jobspec import (ENV_SPEC, IN_PROCESS_HARD_TIMEOUT_S, IN_PROCESS_SOFT_TIMEOUT_S,
+                             LOCAL_CHECKPOINT_ROOT, JobSpec)
 from trainer.wire import CheckpointMode, DrillFault
 
 _SPEC = JobSpec()  # the defaults
@@ -254,7 +254,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--lr", type=float, default=1e-3)
     a("--seed", type=int, default=0)
     a("--device", default="auto", help="auto | cpu | cuda (auto: cuda+nccl when available, else cpu+gloo)")
-    a("--ckpt-interval", type=int, default=_SPEC.checkpoint_interval, help="save every K steps; 0 = only the final/stop checkpoint")
+    a("--ckpt-interval", type=int, default=_SPEC.checkpoint_interval,
+      help="save every K steps; 0 = only the final/stop checkpoint")
     a("--ckpt-mode", default=_SPEC.checkpoint_mode, choices=[m.value for m in CheckpointMode])
     a("--keep-ckpts", type=int, default=_SPEC.keep_checkpoints)
     a("--local-ckpt-dir", default=None,
@@ -263,11 +264,16 @@ def build_parser() -> argparse.ArgumentParser:
     a("--in-process", action=argparse.BooleanOptionalAction, default=_SPEC.in_process,
       help="NVRx in-process restart (inprocess.Wrapper)")
     a("--max-in-process-restarts", type=int, default=_SPEC.max_in_process_restarts)
-    a("--soft-timeout", type=float, default=IN_PROCESS_SOFT_TIMEOUT_S, help="in-process: no progress for S s -> restart in process")
-    a("--hard-timeout", type=float, default=IN_PROCESS_HARD_TIMEOUT_S, help="in-process: no progress for S s -> kill the rank")
-    a("--step-timeout", type=float, default=_SPEC.step_timeout_s, help="in-job: ft_launcher heartbeat timeout")
-    a("--ckpt-timeout", type=float, default=_SPEC.checkpoint_timeout_s, help="in-job: how long a save or load may keep a rank silent")
-    a("--startup-timeout", type=float, default=_SPEC.startup_timeout_s, help="in-job: timeout until the first heartbeat")
+    a("--soft-timeout", type=float, default=IN_PROCESS_SOFT_TIMEOUT_S,
+      help="in-process: no progress for S s -> restart in process")
+    a("--hard-timeout", type=float, default=IN_PROCESS_HARD_TIMEOUT_S,
+      help="in-process: no progress for S s -> kill the rank")
+    a("--step-timeout", type=float, default=_SPEC.step_timeout_s,
+      help="in-job: ft_launcher heartbeat timeout")
+    a("--ckpt-timeout", type=float, default=_SPEC.checkpoint_timeout_s,
+      help="in-job: how long a save or load may keep a rank silent")
+    a("--startup-timeout", type=float, default=_SPEC.startup_timeout_s,
+      help="in-job: timeout until the first heartbeat")
     a("--drill", action="append", default=[], metavar="STEP:FAULT:RANK[:FRACTION]",
       help=f"scheduled fault drill (repeatable); FAULT in {', '.join(DrillFault)}; RANK a number or '*'")
     a("--report-url", default=None, help="control plane base URL (env UNBROKEN_REPORT_URL)")

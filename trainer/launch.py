@@ -127,9 +127,10 @@ def _from_spec(ns: argparse.Namespace, spec: JobSpec, own: list[str], trainer_ar
     """The launch settings of a job the control plane started: all from its spec."""
     given = sorted({a.split("=")[0] for a in own if a.startswith("--")} & set(_SPEC_LAUNCH_FLAGS))
     if given:
-        raise ValueError(f"{', '.join(given)}: the job's spec ({ENV_SPEC}) sets this; change the spec instead")
+        raise ValueError(f"{', '.join(given)}: the job's spec ({ENV_SPEC}) sets this; change the spec")
     if trainer_args:
-        raise ValueError(f"{' '.join(trainer_args[:3])} ...: with a spec ({ENV_SPEC}) the trainer takes no flags")
+        raise ValueError(f"{' '.join(trainer_args[:3])} ...: with a spec ({ENV_SPEC}) "
+                         "there are no trainer flags")
     ns.nnodes, ns.nproc_per_node = spec.nodes, spec.procs_per_node
     ns.max_restarts, ns.in_job = spec.max_restarts_in_job, spec.in_job
     ns.max_no_progress_restarts, ns.node_agent = spec.max_no_progress_restarts, spec.node_agent

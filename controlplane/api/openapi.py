@@ -97,7 +97,8 @@ def _parameter_schema(prop: dict) -> dict:
 
 def _type_the_spec(components: dict, spec_ref: dict) -> None:
     """The views take and show a job's spec as JSON and check it with ``JobSpec.from_dict`` (errors keyed by
-    field); the document types it field by field from the same type (bounds, enums, defaults, descriptions)."""
+    field); the document types it field by field from the same type (bounds, enums, defaults,
+    descriptions)."""
     for struct in components.values():
         props = struct.get("properties", {})
         if props.get("spec", {}).get("type") == "object":

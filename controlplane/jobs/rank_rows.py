@@ -9,7 +9,6 @@ the stores that call these; ``jobs.health`` judges a rank by the same rules.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Iterable
 

@@ -7,8 +7,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from trainer import wire
-from trainer.jobspec import (BACKENDS, CHECKPOINT_MODES, DEMO_SPEC, DRILLS_FOR_USER_CODE, PRESETS, SECRET_ENV,
-                             Drill, JobSpec, KubernetesSpec, SpecError, reference_rows)
+from trainer.jobspec import (
+    BACKENDS,
+    CHECKPOINT_MODES,
+    DEMO_SPEC,
+    DRILLS_FOR_USER_CODE,
+    PRESETS,
+    SECRET_ENV,
+    Drill,
+    JobSpec,
+    KubernetesSpec,
+    SpecError,
+    reference_rows,
+)
 
 _STOPPED = wire.Phase.STOPPED.value
 _SLOW_PHASES = frozenset(p.value for p in wire.SLOW_PHASES)
@@ -25,7 +36,9 @@ class Timeouts:
 
     @classmethod
     def of(cls, spec: JobSpec) -> Timeouts:
-        return cls(step_s=spec.step_timeout_s, checkpoint_s=spec.checkpoint_timeout_s, stall_s=spec.stall_timeout_s)
+        return cls(
+            step_s=spec.step_timeout_s, checkpoint_s=spec.checkpoint_timeout_s, stall_s=spec.stall_timeout_s
+        )
 
     def deadline(self, phase: str, at: float) -> float | None:
         """A rank's deadline in unix seconds: ``wire.SLOW_PHASES`` get the checkpoint timeout; a stopped
@@ -41,5 +54,17 @@ class Timeouts:
         return list(map(self.deadline, phases, ats))
 
 
-__all__ = ["Timeouts", "BACKENDS", "CHECKPOINT_MODES", "DEMO_SPEC", "DRILLS_FOR_USER_CODE", "PRESETS", "SECRET_ENV", "Drill",
-           "JobSpec", "KubernetesSpec", "SpecError", "reference_rows"]
+__all__ = [
+    "Timeouts",
+    "BACKENDS",
+    "CHECKPOINT_MODES",
+    "DEMO_SPEC",
+    "DRILLS_FOR_USER_CODE",
+    "PRESETS",
+    "SECRET_ENV",
+    "Drill",
+    "JobSpec",
+    "KubernetesSpec",
+    "SpecError",
+    "reference_rows",
+]

@@ -17,7 +17,14 @@ from trainer.jobspec import ENV_SPEC, LOCAL_CHECKPOINT_ROOT
 TRAINER_LAUNCH = ("python", "-m", "trainer.launch")
 RDZV_PORT = 29500
 
-__all__ = ["LOCAL_CHECKPOINT_ROOT", "RDZV_PORT", "TRAINER_LAUNCH", "launch_args", "launch_env", "nvrx_problems"]
+__all__ = [
+    "LOCAL_CHECKPOINT_ROOT",
+    "RDZV_PORT",
+    "TRAINER_LAUNCH",
+    "launch_args",
+    "launch_env",
+    "nvrx_problems",
+]
 
 
 def launch_env(spec: JobSpec) -> dict[str, str]:
@@ -25,19 +32,33 @@ def launch_env(spec: JobSpec) -> dict[str, str]:
     return {ENV_SPEC: spec.encode()}
 
 
-def launch_args(spec: JobSpec, *, node_rank: int | str, rdzv_endpoint: str, run_dir: str, job_id: int | str,
-                attempt: int, report_url: str = "", working_dir: str = "") -> list[str]:
+def launch_args(
+    spec: JobSpec,
+    *,
+    node_rank: int | str,
+    rdzv_endpoint: str,
+    run_dir: str,
+    job_id: int | str,
+    attempt: int,
+    report_url: str = "",
+    working_dir: str = "",
+) -> list[str]:
     """Arguments of ``python -m trainer.launch`` for one node (the settings come from ``launch_env``).
 
     ``node_rank`` is a number, or a reference the runtime expands (Kubernetes: ``$(JOB_COMPLETION_INDEX)``).
     ``working_dir`` overrides the spec's (the local launcher runs the user's code in this tree by default).
     """
     return [
-        "--node-rank", str(node_rank),
-        "--rdzv-endpoint", rdzv_endpoint,
-        "--run-dir", run_dir,
-        "--job-id", str(job_id),
-        "--attempt", str(attempt),
+        "--node-rank",
+        str(node_rank),
+        "--rdzv-endpoint",
+        rdzv_endpoint,
+        "--run-dir",
+        run_dir,
+        "--job-id",
+        str(job_id),
+        "--attempt",
+        str(attempt),
         *(["--report-url", report_url] if report_url else []),
         *(["--workdir", working_dir] if spec.entrypoint and working_dir else []),
     ]

@@ -57,11 +57,11 @@ def _interpreter_problems(spec: JobSpec) -> list[str]:
         [str(settings.BASE_DIR), str(settings.BASE_DIR / "trainer")],
         spec.env.get("PYTHONPATH") or os.environ.get("PYTHONPATH"))}
     try:
-        r = subprocess.run([spec.python, "-c", "import unbroken, torch"], env=env, capture_output=True, text=True,
-                           timeout=120, stdin=subprocess.DEVNULL)
+        r = subprocess.run([spec.python, "-c", "import unbroken, torch"], env=env, capture_output=True,
+                           text=True, timeout=120, stdin=subprocess.DEVNULL)
     except (OSError, subprocess.TimeoutExpired) as e:
-        return [f"python: {spec.python} cannot run ({e}); name the interpreter of the environment where you ran "
-                "pip install ./trainer"]
+        return [f"python: {spec.python} cannot run ({e}); name the interpreter of the environment where "
+                "you ran pip install ./trainer"]
     if r.returncode != 0:
         last = (r.stderr.strip().splitlines() or ["no output"])[-1]
         return [f"python: {spec.python} cannot import unbroken and torch ({last}); run pip install ./trainer "

@@ -168,23 +168,24 @@ def spec_flags(spec: Any) -> list[str]:
     return args + [a for d in spec.drills for a in ("--drill", d.as_flag())]
 
 
-def spec_command(run_dir: Path, spec: Any, *, report_url: str = "", job_id: str = "job-1", token: str = "t0ken",
-                 env: dict[str, str] | None = None) -> tuple[list[str], dict[str, str]]:
+def spec_command(run_dir: Path, spec: Any, *, report_url: str = "", job_id: str = "job-1",
+                 token: str = "t0ken", env: dict[str, str] | None = None) -> tuple[list[str], dict[str, str]]:
     """The command line and environment the control plane's launchers give ``trainer.launch`` for ``spec``
     (a ``JobSpec``): the spec whole in one variable, identity in flags."""
     from controlplane.launchers.command import launch_args, launch_env
 
-    argv = launch_args(spec, node_rank=0, rdzv_endpoint=f"127.0.0.1:{free_port_block()}", run_dir=str(run_dir),
-                       job_id=job_id, attempt=0, report_url=report_url)
-    return [PYTHON, "-m", "trainer.launch", *argv], child_env(UNBROKEN_TOKEN=token, **launch_env(spec), **(env or {}))
+    argv = launch_args(spec, node_rank=0, rdzv_endpoint=f"127.0.0.1:{free_port_block()}",
+                       run_dir=str(run_dir), job_id=job_id, attempt=0, report_url=report_url)
+    env = child_env(UNBROKEN_TOKEN=token, **launch_env(spec), **(env or {}))
+    return [PYTHON, "-m", "trainer.launch", *argv], env
 
 
 def launch_spec(run_dir: Path, spec: Any, *, timeout_s: float = 240, **kw: Any) -> Run:
     """``trainer.launch`` as the control plane starts it for ``spec`` (the keywords of ``spec_command``)."""
     cmd, env = spec_command(run_dir, spec, **kw)
     t0 = time.monotonic()
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
     try:
         out, _ = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:

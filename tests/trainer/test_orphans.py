@@ -19,12 +19,16 @@ pytestmark = [pytest.mark.slow, pytest.mark.nvrx]
 def test_it_ends_the_ranks_when_the_launcher_is_killed(tmp_path, receiver):
     spec = JobSpec(steps=100000, checkpoint_interval=1000)
     cmd, env = spec_command(tmp_path, spec, report_url=receiver.url)
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
     ranks: list[psutil.Process] = []
     try:
-        wait_for(lambda: {e["rank"] for e in receiver.events("rank_started")} == {0, 1}, timeout_s=180,
-                 what="both ranks to start")
+        wait_for(
+            lambda: {e["rank"] for e in receiver.events("rank_started")} == {0, 1},
+            timeout_s=180,
+            what="both ranks to start",
+        )
         wait_for(lambda: any(h["step"] >= 5 for h in receiver.heartbeats()), timeout_s=120, what="training")
         ranks = [psutil.Process(e["data"]["pid"]) for e in receiver.events("rank_started")]
         assert all(r.is_running() for r in ranks)

@@ -37,8 +37,16 @@ def as_launched(spec: JobSpec, argv: list[str], env: dict[str, str], monkeypatch
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(spec=job_specs(backend="local"))
 def test_it_hands_the_launcher_and_every_rank_the_whole_spec(spec, monkeypatch):
-    argv = launch_args(spec, node_rank=0, rdzv_endpoint="127.0.0.1:29400", run_dir="/tmp/run", job_id=3,
-                       attempt=0, report_url="http://cp:8000", working_dir="/")
+    argv = launch_args(
+        spec,
+        node_rank=0,
+        rdzv_endpoint="127.0.0.1:29400",
+        run_dir="/tmp/run",
+        job_id=3,
+        attempt=0,
+        report_url="http://cp:8000",
+        working_dir="/",
+    )
     launcher, rank = as_launched(spec, argv, launch_env(spec), monkeypatch)
     assert launcher == expected_launch(spec)
     assert rank == expected_settings(spec)
@@ -50,15 +58,25 @@ SCRIPT = "import time\nfor i in range(5):\n    print(f'step {i} loss 1.0', flush
 @pytest.mark.slow
 @pytest.mark.nvrx
 @pytest.mark.parametrize("user_code", [False, True], ids=["built-in model", "user entrypoint"])
-@settings(max_examples=1, deadline=None, database=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@settings(
+    max_examples=1,
+    deadline=None,
+    database=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
 @given(drawn=job_specs(backend="local", procs_per_node=2, max_steps=12, user_code=False))
 def test_a_real_rank_reports_the_settings_of_its_spec(drawn, user_code, tmp_path_factory, receiver):
     """Real processes (2 ranks, gloo on CPU): each rank's first event carries the settings it runs with."""
     run_dir = tmp_path_factory.mktemp("run")
     data = drawn.to_dict()  # made quick and fault-free enough to run here; its other settings as drawn
-    data.update(steps=min(drawn.steps, 12), drills=[], failure_policy=[], fork_ranks=False, node_agent=False,
-                checkpoint_timeout_s=max(drawn.checkpoint_timeout_s, 60.0))
+    data.update(
+        steps=min(drawn.steps, 12),
+        drills=[],
+        failure_policy=[],
+        fork_ranks=False,
+        node_agent=False,
+        checkpoint_timeout_s=max(drawn.checkpoint_timeout_s, 60.0),
+    )
     if user_code:
         (run_dir / "train.py").write_text(SCRIPT)
         data.update(entrypoint="train.py", args=["--quick"], working_dir=str(run_dir))

@@ -11,8 +11,16 @@ pytestmark = [pytest.mark.slow, pytest.mark.nvrx]
 
 
 def test_it_ends_a_hung_preset_rank_at_the_specs_step_timeout(tmp_path, receiver):
-    spec = JobSpec(preset="tiny", steps=30, checkpoint_interval=5, in_process=False, max_in_job_restarts=1,
-                   heartbeat_interval_s=0.5, step_timeout_s=6.0, drills=(Drill(step=10, fault="hang", rank=1),))
+    spec = JobSpec(
+        preset="tiny",
+        steps=30,
+        checkpoint_interval=5,
+        in_process=False,
+        max_in_job_restarts=1,
+        heartbeat_interval_s=0.5,
+        step_timeout_s=6.0,
+        drills=(Drill(step=10, fault="hang", rank=1),),
+    )
     run = launch_spec(tmp_path, spec, report_url=receiver.url)
     assert run.rc == 0, run.log[-4000:]
     started = receiver.events("rank_started")

@@ -38,8 +38,8 @@ def test_the_reference_rows_and_the_openapi_document_agree():
     rows = reference_rows()
     assert {r.name for r in rows if "." not in r.name} == set(JobSpec.__struct_fields__)
     for row in rows:
-        prefix = row.name[:row.name.rfind(".") + 1]
-        prop = owners[prefix]["properties"][row.name[len(prefix):]]
+        prefix = row.name[: row.name.rfind(".") + 1]
+        prop = owners[prefix]["properties"][row.name[len(prefix) :]]
         assert prop.get("description", "") == row.description, row.name
         assert row.description, f"{row.name} has no description"
         if row.default != "(required)":

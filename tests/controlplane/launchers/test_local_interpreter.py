@@ -27,12 +27,19 @@ def test_it_refuses_an_interpreter_that_does_not_exist():
 
 def test_it_refuses_an_environment_without_torch(tmp_path):
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(tmp_path / "venv")], check=True)
-    (problem,) = [p for p in preflight(python=str(tmp_path / "venv" / "bin" / "python")) if p.startswith("python")]
+    (problem,) = [
+        p for p in preflight(python=str(tmp_path / "venv" / "bin" / "python")) if p.startswith("python")
+    ]
     assert "cannot import unbroken and torch" in problem and "No module named" in problem  # the reason, too
 
 
-@pytest.mark.parametrize("spec", [{"python": "python3"}, {"backend": "kubernetes", "python": "/usr/bin/python",
-                                                         "kubernetes": {"namespace": "train"}}])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        {"python": "python3"},
+        {"backend": "kubernetes", "python": "/usr/bin/python", "kubernetes": {"namespace": "train"}},
+    ],
+)
 def test_the_spec_names_the_field_of_a_bad_interpreter(spec):
     with pytest.raises(SpecError) as e:
         JobSpec.from_dict(spec)

@@ -14,28 +14,74 @@ def parsed(spec: JobSpec, monkeypatch, **kw):
     launch = pytest.importorskip("trainer.launch")
     for k, v in launch_env(spec).items():
         monkeypatch.setenv(k, v)
-    argv = launch_args(spec, node_rank=kw.pop("node_rank", 0), rdzv_endpoint="127.0.0.1:29400", run_dir="/runs/9",
-                       job_id=9, attempt=2, **kw)
+    argv = launch_args(
+        spec,
+        node_rank=kw.pop("node_rank", 0),
+        rdzv_endpoint="127.0.0.1:29400",
+        run_dir="/runs/9",
+        job_id=9,
+        attempt=2,
+        **kw,
+    )
     return launch.parse(argv)
 
 
 def test_it_builds_the_exact_argv():
     """The argv carries what the spec cannot know; the settings travel whole in one variable."""
-    spec = JobSpec(nodes=1, procs_per_node=4, preset="small", steps=500, checkpoint_interval=25,
-                   checkpoint_mode="sync", keep_checkpoints=2, max_in_process_restarts=7, max_in_job_restarts=4,
-                   heartbeat_interval_s=0.5, drills=(Drill(step=60, fault="exception", rank=1),
-                                                     Drill(step=150, fault="sigkill", rank=0)))
-    argv = launch_args(spec, node_rank=0, rdzv_endpoint="127.0.0.1:29400", run_dir="/runs/9", job_id=9,
-                       attempt=2, report_url="http://cp:8000")
-    assert argv == ["--node-rank", "0", "--rdzv-endpoint", "127.0.0.1:29400", "--run-dir", "/runs/9",
-                    "--job-id", "9", "--attempt", "2", "--report-url", "http://cp:8000"]
+    spec = JobSpec(
+        nodes=1,
+        procs_per_node=4,
+        preset="small",
+        steps=500,
+        checkpoint_interval=25,
+        checkpoint_mode="sync",
+        keep_checkpoints=2,
+        max_in_process_restarts=7,
+        max_in_job_restarts=4,
+        heartbeat_interval_s=0.5,
+        drills=(Drill(step=60, fault="exception", rank=1), Drill(step=150, fault="sigkill", rank=0)),
+    )
+    argv = launch_args(
+        spec,
+        node_rank=0,
+        rdzv_endpoint="127.0.0.1:29400",
+        run_dir="/runs/9",
+        job_id=9,
+        attempt=2,
+        report_url="http://cp:8000",
+    )
+    assert argv == [
+        "--node-rank",
+        "0",
+        "--rdzv-endpoint",
+        "127.0.0.1:29400",
+        "--run-dir",
+        "/runs/9",
+        "--job-id",
+        "9",
+        "--attempt",
+        "2",
+        "--report-url",
+        "http://cp:8000",
+    ]
     assert JobSpec.decode(launch_env(spec)[ENV_SPEC]) == spec
 
 
 def test_the_launcher_takes_every_setting_from_the_spec(monkeypatch):
-    spec = JobSpec(procs_per_node=4, preset="small", steps=500, checkpoint_interval=25, checkpoint_mode="sync",
-                   keep_checkpoints=2, max_in_process_restarts=7, max_in_job_restarts=4, heartbeat_interval_s=0.5,
-                   step_timeout_s=70, checkpoint_timeout_s=400, drills=(Drill(step=60, fault="exception", rank=1),))
+    spec = JobSpec(
+        procs_per_node=4,
+        preset="small",
+        steps=500,
+        checkpoint_interval=25,
+        checkpoint_mode="sync",
+        keep_checkpoints=2,
+        max_in_process_restarts=7,
+        max_in_job_restarts=4,
+        heartbeat_interval_s=0.5,
+        step_timeout_s=70,
+        checkpoint_timeout_s=400,
+        drills=(Drill(step=60, fault="exception", rank=1),),
+    )
     ns, trainer_args, cfg = parsed(spec, monkeypatch, report_url="http://cp:8000")
     assert (ns.nnodes, ns.nproc_per_node, ns.max_restarts, ns.in_job) == (1, 4, 4, True)
     assert ns.user_args[:2] == ["--preset", "small"]  # the built-in model's own arguments
@@ -58,7 +104,7 @@ def test_a_flag_the_spec_sets_is_refused(monkeypatch):
     monkeypatch.setenv(ENV_SPEC, JobSpec().encode())
     with pytest.raises(ValueError, match="the job's spec"):
         launch.parse(["--nproc-per-node", "3", "--run-dir", "/r"])
-    with pytest.raises(ValueError, match="takes no flags"):
+    with pytest.raises(ValueError, match="there are no trainer flags"):
         launch.parse(["--run-dir", "/r", "--", "--steps", "3"])
 
 
@@ -66,8 +112,10 @@ def test_the_pod_argv_parses_with_the_trainers_own_launcher(monkeypatch):
     """What the kubelet runs, after it expands $(JOB_COMPLETION_INDEX) and $(UNBROKEN_REPORT_URL)."""
     launch = pytest.importorskip("trainer.launch")
     spec = k8s_spec(nodes=16, drills=[{"step": 50, "fault": "sigkill", "rank": 100}])
-    args = [a.replace("$(JOB_COMPLETION_INDEX)", "15").replace("$(UNBROKEN_REPORT_URL)", "http://cp:8000")
-            for a in manifests.container_args(spec, job_id=42, attempt=1)]
+    args = [
+        a.replace("$(JOB_COMPLETION_INDEX)", "15").replace("$(UNBROKEN_REPORT_URL)", "http://cp:8000")
+        for a in manifests.container_args(spec, job_id=42, attempt=1)
+    ]
     (container,) = manifests.pod_template(spec, job_id=42, attempt=1)["spec"]["containers"]
     env = {e["name"]: e["value"].replace("$$", "$") for e in container["env"] if "value" in e}
     monkeypatch.setenv(ENV_SPEC, env[ENV_SPEC])
@@ -80,8 +128,11 @@ def test_the_pod_argv_parses_with_the_trainers_own_launcher(monkeypatch):
     assert [d.key for d in cfg.drills] == ["50:sigkill:100"]
     # The node-local checkpoint copies: in the node's shared memory (the pod mounts it), per job run.
     assert cfg.local_ckpt_dir.startswith("/dev/shm/unbroken/42-") and cfg.local_ckpt_dir.endswith("-a1")
-    mounts = {m["mountPath"] for c in manifests.pod_template(spec, job_id=42, attempt=1)["spec"]["containers"]
-              for m in c["volumeMounts"]}
+    mounts = {
+        m["mountPath"]
+        for c in manifests.pod_template(spec, job_id=42, attempt=1)["spec"]["containers"]
+        for m in c["volumeMounts"]
+    }
     assert "/dev/shm" in mounts
 
 
@@ -119,16 +170,19 @@ def test_ranks_are_fresh_processes_unless_the_spec_asks_for_warm_ones(monkeypatc
     assert not parsed(JobSpec.from_dict({"fork_ranks": True, "in_job": False}), monkeypatch)[0].fork_ranks
 
 
-@pytest.mark.parametrize("version,no_progress,expected", [
-    ("", 2, []),  # not declared: not checked
-    ("0.4.1", 0, []),
-    ("0.6.0", 2, []),
-    ("v0.7.1rc1", 2, []),
-    ("0.4.1", 2, ["max_no_progress_restarts: needs NVRx 0.6.0 or later", "this job's NVRx is 0.4.1"]),
-    ("0.5.2", 1, ["needs NVRx 0.6.0 or later", "this job's NVRx is 0.5.2"]),
-    ("0.3.0", 0, ["nvrx_version: the trainer needs NVRx 0.4.1 or later"]),
-    ("latest", 0, ["not a version"]),
-])
+@pytest.mark.parametrize(
+    "version,no_progress,expected",
+    [
+        ("", 2, []),  # not declared: not checked
+        ("0.4.1", 0, []),
+        ("0.6.0", 2, []),
+        ("v0.7.1rc1", 2, []),
+        ("0.4.1", 2, ["max_no_progress_restarts: needs NVRx 0.6.0 or later", "this job's NVRx is 0.4.1"]),
+        ("0.5.2", 1, ["needs NVRx 0.6.0 or later", "this job's NVRx is 0.5.2"]),
+        ("0.3.0", 0, ["nvrx_version: the trainer needs NVRx 0.4.1 or later"]),
+        ("latest", 0, ["not a version"]),
+    ],
+)
 def test_it_checks_the_jobs_nvrx_options_against_the_nvrx_version(version, no_progress, expected):
     (problem,) = nvrx_problems(JobSpec(max_no_progress_restarts=no_progress), version) or [""]
     for want in expected:

@@ -25,8 +25,12 @@ def test_the_manifest_hands_the_launcher_and_every_rank_the_whole_spec(spec, clu
     # As the kubelet runs it: $(VAR) references expanded, $$ read as $.
     env = {e["name"]: e["value"].replace("$$", "$") for e in container["env"] if "value" in e}
     env.pop("UNBROKEN_TOKEN_FILE")  # the mounted Secret: not here
-    argv = [a.replace("$(JOB_COMPLETION_INDEX)", "0").replace("$(UNBROKEN_REPORT_URL)", "http://cp:8000")
-            .replace("$$", "$") for a in container["args"]]
+    argv = [
+        a.replace("$(JOB_COMPLETION_INDEX)", "0")
+        .replace("$(UNBROKEN_REPORT_URL)", "http://cp:8000")
+        .replace("$$", "$")
+        for a in container["args"]
+    ]
     launcher_settings, rank = as_launched(spec, argv, env, monkeypatch)
     assert launcher_settings == expected_launch(spec)
     assert rank == expected_settings(spec)

@@ -85,8 +85,8 @@ def test_it_runs_the_launcher_wrapping_the_entrypoint_as_pid_1():
     assert "--" not in args and "--entrypoint" not in args  # the code, its arguments, settings: in the spec
     (spec_env,) = [e["value"] for e in c["env"] if e["name"] == ENV_SPEC]
     spec = JobSpec.decode(kubelet_expand(spec_env, {}))
-    assert (spec.entrypoint, spec.args, spec.in_process) == ("train.py", ("--config", "configs/7b.yaml", "--lr=3e-4"),
-                                                             False)
+    assert (spec.entrypoint, spec.in_process) == ("train.py", False)
+    assert spec.args == ("--config", "configs/7b.yaml", "--lr=3e-4")
 
 
 def test_the_user_code_pod_argv_parses_with_the_trainers_own_launcher(tmp_path, monkeypatch):
