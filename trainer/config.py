@@ -1,7 +1,10 @@
-"""Trainer configuration: one validated dataclass built from CLI flags (and env for identity/secrets).
+"""Trainer configuration: one validated dataclass, derived from the job's spec (``trainer.jobspec``).
 
-Every error names the flag that fixes it. ``trainer.launch`` parses the same flags to validate a job
-before it starts any process and to derive the launcher's timeouts from them.
+A job the control plane starts hands each rank its whole spec in ``ENV_SPEC``; ``parse_config`` decodes it
+with the control plane's own type and derives this config from it (``TrainConfig.from_spec``), and then
+takes only identity from flags and env (run directory, job id, attempt, ingest URL, token). Without a spec
+(a launch by hand, the trainer's tests) the same settings come from flags whose defaults are the spec's:
+every default is written once, in ``JobSpec``. Every error names the flag that fixes it.
 """
 
 from __future__ import annotations
@@ -11,7 +14,11 @@ import hashlib
 import os
 from dataclasses import dataclass, field
 
+from trainer.jobspec import (ENV_SPEC, IN_PROCESS_HARD_TIMEOUT_S, IN_PROCESS_SOFT_TIMEOUT_S,
+                             LOCAL_CHECKPOINT_ROOT, JobSpec)
 from trainer.wire import CheckpointMode, DrillFault
+
+_SPEC = JobSpec()  # the defaults
 
 PRESETS = ("tiny", "small", "1b")
 ALL_RANKS = -1
@@ -68,42 +75,44 @@ class Drill:
 
 @dataclass(kw_only=True, slots=True)
 class TrainConfig:
-    preset: str = "tiny"
-    steps: int = 100
+    preset: str = _SPEC.preset
+    steps: int = _SPEC.steps
     batch_size: int | None = None  # per rank; None = the preset's
     lr: float = 1e-3
     seed: int = 0
     device: str = "auto"
 
-    ckpt_interval: int = 10
-    ckpt_mode: CheckpointMode = CheckpointMode.ASYNC
-    keep_ckpts: int = 2
+    ckpt_interval: int = _SPEC.checkpoint_interval
+    ckpt_mode: CheckpointMode = CheckpointMode(_SPEC.checkpoint_mode)
+    keep_ckpts: int = _SPEC.keep_checkpoints
     # A node-local directory (shared memory or a local disk) for each rank's copy of its newest async
     # save: an in-job restart's new processes restore from it. "" = none (the durable checkpoint only).
     local_ckpt_root: str = ""
 
-    in_process: bool = True
-    max_in_process_restarts: int = 16
-    soft_timeout: float = 5.0
-    hard_timeout: float = 10.0
-    step_timeout: float = 30.0
-    ckpt_timeout: float = 120.0
-    startup_timeout: float = 120.0
+    in_process: bool = _SPEC.in_process
+    max_in_process_restarts: int = _SPEC.max_in_process_restarts
+    soft_timeout: float = IN_PROCESS_SOFT_TIMEOUT_S
+    hard_timeout: float = IN_PROCESS_HARD_TIMEOUT_S
+    step_timeout: float = _SPEC.step_timeout_s
+    ckpt_timeout: float = _SPEC.checkpoint_timeout_s
+    startup_timeout: float = _SPEC.startup_timeout_s
 
     drills: tuple[Drill, ...] = ()
 
     report_url: str = ""
     # The node agent the launcher started (UNBROKEN_AGENT_URL): reports go there, report_url when it is away.
     agent_url: str = ""
-    report_interval: float = 1.0
+    report_interval: float = _SPEC.heartbeat_interval_s
     # Each beat's busy_s is the rank's mean work per step over this many seconds (the straggler window).
-    straggler_window: float = 5.0
+    straggler_window: float = _SPEC.straggler_window_s
     log_every: int = 10
 
     run_dir: str = ""
     job_id: str = ""
     attempt: int = 0
     token: str = field(default="", repr=False)
+    # The spec this config was derived from ("": flags, no spec).
+    spec: JobSpec | None = None
 
     def __post_init__(self) -> None:
         if self.preset not in PRESETS:
@@ -169,6 +178,38 @@ class TrainConfig:
                 if d.rank != ALL_RANKS and d.rank >= world_size:
                     raise ValueError(f"--drill {d.key}: rank {d.rank} does not exist (world size {world_size})")
 
+    @classmethod
+    def from_spec(cls, spec: JobSpec, *, env: dict[str, str], run_dir: str, job_id: str, attempt: int,
+                  report_url: str) -> TrainConfig:
+        """The rank's settings from the job's spec (every setting) and identity (where, who, which attempt)."""
+        copy = spec.local_checkpoint_copy and spec.checkpoint_mode == CheckpointMode.ASYNC
+        return cls(
+            preset=spec.preset, steps=spec.steps, ckpt_interval=spec.checkpoint_interval,
+            ckpt_mode=CheckpointMode(spec.checkpoint_mode), keep_ckpts=spec.keep_checkpoints,
+            local_ckpt_root=(env.get("UNBROKEN_LOCAL_CKPT_DIR") or LOCAL_CHECKPOINT_ROOT) if copy else "",
+            in_process=spec.in_process, max_in_process_restarts=spec.max_in_process_restarts,
+            step_timeout=spec.step_timeout_s, ckpt_timeout=spec.checkpoint_timeout_s,
+            startup_timeout=spec.startup_timeout_s,
+            drills=tuple(Drill(step=d.step, fault=DrillFault(d.fault), rank=d.rank, fraction=d.fraction)
+                         for d in spec.drills),
+            report_url=report_url, agent_url=env.get("UNBROKEN_AGENT_URL", "").rstrip("/"),
+            report_interval=spec.heartbeat_interval_s, straggler_window=spec.straggler_window_s,
+            run_dir=run_dir, job_id=job_id, attempt=attempt, token=_read_token(env), spec=spec)
+
+    def settings(self) -> dict[str, object]:
+        """The settings this rank runs with, by the spec's names (its first event carries them), and the
+        digest of the spec it decoded (``spec_sha256``; "" without one)."""
+        return {
+            "preset": self.preset, "steps": self.steps, "checkpoint_interval": self.ckpt_interval,
+            "checkpoint_mode": str(self.ckpt_mode), "keep_checkpoints": self.keep_ckpts,
+            "local_checkpoint_copy": bool(self.local_ckpt_root), "in_process": self.in_process,
+            "max_in_process_restarts": self.max_in_process_restarts, "step_timeout_s": self.step_timeout,
+            "checkpoint_timeout_s": self.ckpt_timeout, "startup_timeout_s": self.startup_timeout,
+            "heartbeat_interval_s": self.report_interval, "straggler_window_s": self.straggler_window,
+            "drills": [[d.step, str(d.fault), d.rank, d.fraction] for d in self.drills],
+            "spec_sha256": hashlib.sha256(self.spec.encode().encode()).hexdigest() if self.spec else "",
+        }
+
     @property
     def ckpt_dir(self) -> str:
         return os.path.join(self.run_dir, "checkpoints")
@@ -207,31 +248,37 @@ def _read_token(env: dict[str, str]) -> str:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m trainer.shim", description="The flags of one rank of a job.")
     a = p.add_argument
-    a("--preset", default="tiny", help="model size: tiny | small | 1b")
-    a("--steps", type=int, default=100)
+    a("--preset", default=_SPEC.preset, help="model size: tiny | small | 1b")
+    a("--steps", type=int, default=_SPEC.steps)
     a("--batch-size", type=int, default=None, help="per-rank batch size (default: the preset's)")
     a("--lr", type=float, default=1e-3)
     a("--seed", type=int, default=0)
     a("--device", default="auto", help="auto | cpu | cuda (auto: cuda+nccl when available, else cpu+gloo)")
-    a("--ckpt-interval", type=int, default=10, help="save every K steps; 0 = only the final/stop checkpoint")
-    a("--ckpt-mode", default="async", choices=[m.value for m in CheckpointMode])
-    a("--keep-ckpts", type=int, default=2)
+    a("--ckpt-interval", type=int, default=_SPEC.checkpoint_interval,
+      help="save every K steps; 0 = only the final/stop checkpoint")
+    a("--ckpt-mode", default=_SPEC.checkpoint_mode, choices=[m.value for m in CheckpointMode])
+    a("--keep-ckpts", type=int, default=_SPEC.keep_checkpoints)
     a("--local-ckpt-dir", default=None,
       help="node-local directory (e.g. /dev/shm/unbroken) for each rank's copy of its newest async save, which "
            "in-job restarts restore from (env UNBROKEN_LOCAL_CKPT_DIR; empty: off)")
-    a("--in-process", action=argparse.BooleanOptionalAction, default=True,
+    a("--in-process", action=argparse.BooleanOptionalAction, default=_SPEC.in_process,
       help="NVRx in-process restart (inprocess.Wrapper)")
-    a("--max-in-process-restarts", type=int, default=16)
-    a("--soft-timeout", type=float, default=5.0, help="in-process: no progress for S s -> restart in process")
-    a("--hard-timeout", type=float, default=10.0, help="in-process: no progress for S s -> kill the rank")
-    a("--step-timeout", type=float, default=30.0, help="in-job: ft_launcher heartbeat timeout")
-    a("--ckpt-timeout", type=float, default=120.0, help="in-job: how long a save or load may keep a rank silent")
-    a("--startup-timeout", type=float, default=120.0, help="in-job: timeout until the first heartbeat")
+    a("--max-in-process-restarts", type=int, default=_SPEC.max_in_process_restarts)
+    a("--soft-timeout", type=float, default=IN_PROCESS_SOFT_TIMEOUT_S,
+      help="in-process: no progress for S s -> restart in process")
+    a("--hard-timeout", type=float, default=IN_PROCESS_HARD_TIMEOUT_S,
+      help="in-process: no progress for S s -> kill the rank")
+    a("--step-timeout", type=float, default=_SPEC.step_timeout_s,
+      help="in-job: ft_launcher heartbeat timeout")
+    a("--ckpt-timeout", type=float, default=_SPEC.checkpoint_timeout_s,
+      help="in-job: how long a save or load may keep a rank silent")
+    a("--startup-timeout", type=float, default=_SPEC.startup_timeout_s,
+      help="in-job: timeout until the first heartbeat")
     a("--drill", action="append", default=[], metavar="STEP:FAULT:RANK[:FRACTION]",
       help=f"scheduled fault drill (repeatable); FAULT in {', '.join(DrillFault)}; RANK a number or '*'")
     a("--report-url", default=None, help="control plane base URL (env UNBROKEN_REPORT_URL)")
-    a("--report-interval", type=float, default=1.0)
-    a("--straggler-window", type=float, default=5.0,
+    a("--report-interval", type=float, default=_SPEC.heartbeat_interval_s)
+    a("--straggler-window", type=float, default=_SPEC.straggler_window_s,
       help="seconds over which each beat's busy_s (the rank's own work per step) is averaged")
     a("--log-every", type=int, default=10, help="print a log line every N steps (0 = never)")
     a("--run-dir", default=None, help="run directory (env UNBROKEN_RUN_DIR)")
@@ -240,14 +287,28 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+# The flags a spec sets (with ``ENV_SPEC`` they are refused: the spec is the one source).
+IDENTITY_FLAGS = ("--report-url", "--run-dir", "--job-id", "--attempt", "--log-every")
+
+
 def parse_config(argv: list[str] | None = None, env: dict[str, str] | None = None) -> TrainConfig:
     env = dict(os.environ if env is None else env)
+    argv = list(argv or [])
     ns = build_parser().parse_args(argv)
     attempt_s = env.get("UNBROKEN_ATTEMPT", "0") if ns.attempt is None else str(ns.attempt)
     try:
         attempt = int(attempt_s)
     except ValueError:
         raise ValueError(f"--attempt / UNBROKEN_ATTEMPT must be an integer, got {attempt_s!r}") from None
+    report_url = (ns.report_url if ns.report_url is not None else env.get("UNBROKEN_REPORT_URL", "")).rstrip("/")
+    run_dir, job_id = ns.run_dir or env.get("UNBROKEN_RUN_DIR", ""), ns.job_id or env.get("UNBROKEN_JOB_ID", "")
+    if env.get(ENV_SPEC):
+        flags = sorted({a.split("=")[0] for a in argv if a.startswith("--")} - set(IDENTITY_FLAGS))
+        if flags:
+            raise ValueError(f"{', '.join(flags)}: the job's spec ({ENV_SPEC}) sets this; change the spec instead")
+        spec = JobSpec.decode(env[ENV_SPEC])
+        return TrainConfig.from_spec(spec, env=env, run_dir=run_dir, job_id=job_id, attempt=attempt,
+                                     report_url=report_url)
     return TrainConfig(
         preset=ns.preset, steps=ns.steps, batch_size=ns.batch_size, lr=ns.lr, seed=ns.seed, device=ns.device,
         ckpt_interval=ns.ckpt_interval, ckpt_mode=ns.ckpt_mode, keep_ckpts=ns.keep_ckpts,

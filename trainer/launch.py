@@ -5,6 +5,13 @@
 
     python -m trainer.launch ... --entrypoint train.py [--workdir DIR] -- <trainer flags> -- <script args>
 
+    UNBROKEN_JOB_SPEC='{"procs_per_node": 2, ...}' python -m trainer.launch --node-rank R \
+        --rdzv-endpoint HOST:PORT --run-dir DIR --job-id ID --attempt A [--report-url URL] [--workdir DIR]
+
+The control plane starts the second form: the job's whole spec in one environment variable
+(``trainer.jobspec.ENV_SPEC``), decoded here and in every rank (which inherit it) with the control plane's
+own type; the flags carry only what the spec cannot know. The first form (flags) is for a launch by hand.
+
 The ranks run the user's code under ``trainer.shim``: ``--entrypoint``, or without it the built-in demo
 job (``trainer/examples/synthetic.py``, a Level-2 example like any user's; the trainer flags --preset,
 --steps, --batch-size, --lr, --seed and --log-every become its arguments). A script that cannot start
@@ -46,6 +53,7 @@ import psutil
 
 from trainer import nvrx_compat
 from trainer.config import TrainConfig, parse_config
+from trainer.jobspec import ENV_SPEC, JobSpec
 from trainer.policy import Action, Decision, Facts, PolicyError, Rule, parse_rules, signal_name, stops_in_job
 from trainer.reporter import Reporter, make_reporter
 from trainer.runtime import (ENV_APP_STORE_PORT, ENV_IN_JOB, ENV_STORE_HOST, ENV_WRAPPER_STORE_PORT,
@@ -75,6 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--run-dir", default=None)
     a("--job-id", default=None)
     a("--attempt", type=int, default=None)
+    a("--report-url", default=None, help="control plane base URL (passed on to the ranks)")
     a("--entrypoint", default=None, help="the user's code: train.py | pkg.module | pkg.module:function")
     a("--workdir", default=None, help="run the user's code in this directory")
     a("--fork-ranks", action=argparse.BooleanOptionalAction,
@@ -108,6 +117,31 @@ def builtin_args(cfg: TrainConfig) -> list[str]:
     return args + (["--batch-size", str(cfg.batch_size)] if cfg.batch_size else [])
 
 
+# The launch flags a spec sets (with ENV_SPEC they are refused: the spec is the one source).
+_SPEC_LAUNCH_FLAGS = ("--nnodes", "--nproc-per-node", "--max-restarts", "--in-job", "--no-in-job",
+                      "--max-no-progress-restarts", "--entrypoint", "--fork-ranks", "--no-fork-ranks",
+                      "--node-agent", "--failure-policy")
+
+
+def _from_spec(ns: argparse.Namespace, spec: JobSpec, own: list[str], trainer_args: list[str]) -> None:
+    """The launch settings of a job the control plane started: all from its spec."""
+    given = sorted({a.split("=")[0] for a in own if a.startswith("--")} & set(_SPEC_LAUNCH_FLAGS))
+    if given:
+        raise ValueError(f"{', '.join(given)}: the job's spec ({ENV_SPEC}) sets this; change the spec")
+    if trainer_args:
+        raise ValueError(f"{' '.join(trainer_args[:3])} ...: with a spec ({ENV_SPEC}) "
+                         "there are no trainer flags")
+    ns.nnodes, ns.nproc_per_node = spec.nodes, spec.procs_per_node
+    ns.max_restarts, ns.in_job = spec.max_restarts_in_job, spec.in_job
+    ns.max_no_progress_restarts, ns.node_agent = spec.max_no_progress_restarts, spec.node_agent
+    ns.fork_ranks = spec.fork_ranks and spec.in_job
+    ns.failure_policy = ""
+    ns.rules = spec.failure_policy
+    ns.entrypoint = spec.entrypoint or None
+    ns.workdir = ns.workdir or spec.working_dir or None
+    ns.user_args = list(spec.args)
+
+
 def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str], TrainConfig]:
     if "--" in argv:
         i = argv.index("--")
@@ -116,6 +150,9 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str], TrainConfig]:
         own, trainer_args = argv, []
     ns = build_parser().parse_args(own)
     ns.user_args = []
+    spec = JobSpec.decode(os.environ[ENV_SPEC]) if os.environ.get(ENV_SPEC) else None
+    if spec is not None:
+        _from_spec(ns, spec, own, trainer_args)
     if ns.entrypoint is not None and "--" in trainer_args:
         i = trainer_args.index("--")
         trainer_args, ns.user_args = trainer_args[:i], trainer_args[i + 1:]
@@ -128,16 +165,18 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str], TrainConfig]:
         raise ValueError("--max-restarts must be >= 0")
     if ns.max_no_progress_restarts < 0:
         raise ValueError("--max-no-progress-restarts must be >= 0")
-    try:
-        ns.rules = parse_rules(json.loads(ns.failure_policy) if ns.failure_policy else [])
-    except (ValueError, PolicyError) as e:
-        raise ValueError(f"--failure-policy: {e}") from None
+    if spec is None:
+        try:
+            ns.rules = parse_rules(json.loads(ns.failure_policy) if ns.failure_policy else [])
+        except (ValueError, PolicyError) as e:
+            raise ValueError(f"--failure-policy: {e}") from None
     host, _, port_s = ns.rdzv_endpoint.rpartition(":")
     if not host or not port_s.isdigit() or not 0 < int(port_s) < 65534:
         raise ValueError(f"--rdzv-endpoint {ns.rdzv_endpoint!r}: expected HOST:PORT with PORT < 65534")
     ns.rdzv_host, ns.rdzv_port = host, int(port_s)
     # Our own flags win over the same ones after "--"; env fills what neither gives.
-    for flag, v in (("--run-dir", ns.run_dir), ("--job-id", ns.job_id), ("--attempt", ns.attempt)):
+    for flag, v in (("--run-dir", ns.run_dir), ("--job-id", ns.job_id), ("--attempt", ns.attempt),
+                    ("--report-url", ns.report_url)):
         if v is not None:
             trainer_args = [*trainer_args, flag, str(v)]
     cfg = parse_config(trainer_args)

@@ -25,6 +25,8 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
+import msgspec
+
 from trainer.wire import FaultClass
 
 
@@ -94,9 +96,11 @@ class Facts:
     text: str = ""  # the fault's message: a rule's ``reason`` matches a whole word of it
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Match:
-    fault_class: str | None = None
+class Match(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, forbid_unknown_fields=True):
+    """What a rule matches (one or more of a fault's class, exit code, signal, reason); JSON names it
+    ``class``, not ``fault_class``."""
+
+    fault_class: str | None = msgspec.field(default=None, name="class")
     exit_code: int | None = None
     signal: str | None = None
     reason: str | None = None
@@ -128,8 +132,7 @@ class Match:
         return {k: v for k, v in out.items() if v is not None}
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Rule:
+class Rule(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """On the ``after``-th fault that ``match``es (counted since the job last made step progress, or over
     the whole job with ``without_progress`` false), take ``action``."""
 

@@ -25,6 +25,7 @@ import traceback
 import warnings
 
 from trainer.config import parse_config
+from trainer.orphan import end_with_parent
 from trainer.runtime import RankEnv
 from trainer.usercode import UserRun, set_current, tee_output
 
@@ -83,6 +84,7 @@ def _record_error_file(exc: BaseException) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore", message=".*pynvml.*")
+    end_with_parent()  # a SIGKILLed launcher takes its ranks with it
     env = RankEnv.from_env()
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format=f"%(asctime)s r{env.initial_rank} %(levelname)s %(name)s: %(message)s")

@@ -268,6 +268,9 @@ def can_renice() -> bool:
 def serve(fd: int, nice: int = STANDBY_NICE) -> int:
     """A standby: import what ranks import (at ``nice`` where it can come back), wait for a worker's rank,
     become it."""
+    from trainer.orphan import end_with_parent
+
+    end_with_parent()  # the pool's launcher was SIGKILLed: no standby (nor the rank it became) outlives it
     ctrl = socket.socket(fileno=fd)
     niced = False
     if nice and can_renice():

@@ -186,7 +186,8 @@ class UserRun:
         self.reporter.heartbeat(step=0, phase=Phase.INIT)
         self.reporter.event(EventKind.RANK_STARTED, {
             "iteration": 0, "restart_count": self.env.restart_count, "world_size": self.env.world_size,
-            "node": socket.gethostname(), "pid": os.getpid(), "initial_rank": self.rank})
+            "node": socket.gethostname(), "pid": os.getpid(), "initial_rank": self.rank,
+            "settings": self.cfg.settings()})
         self._integration()
         cycle = self._cycle()
         if cycle is not None and cycle[1] == Layer.JOB:

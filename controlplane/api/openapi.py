@@ -12,6 +12,7 @@ from functools import cache
 import msgspec
 
 from controlplane.api import schema as s
+from controlplane.jobs.spec import JobSpec
 
 REF = "#/components/schemas/{name}"
 DOC_PATH = "/api/v1/operator/openapi.json"
@@ -95,12 +96,23 @@ def _parameter_schema(prop: dict) -> dict:
     return prop
 
 
+def _type_the_spec(components: dict, spec_ref: dict) -> None:
+    """The views take and show a job's spec as JSON and check it with ``JobSpec.from_dict`` (errors keyed by
+    field); the document types it field by field from the same type (bounds, enums, defaults,
+    descriptions)."""
+    for struct in components.values():
+        props = struct.get("properties", {})
+        if props.get("spec", {}).get("type") == "object":
+            props["spec"] = {**spec_ref, "description": JobSpec.__doc__.strip()}
+
+
 @cache
 def document() -> dict:
     types = sorted({t for r in ROUTES for t in (r.response, r.query, r.body) if t is not None} | {s.Error},
                    key=lambda t: t.__name__)
-    refs, components = msgspec.json.schema_components(types, ref_template=REF)
-    ref = dict(zip(types, refs, strict=True))
+    refs, components = msgspec.json.schema_components([*types, JobSpec], ref_template=REF)
+    ref = dict(zip([*types, JobSpec], refs, strict=True))
+    _type_the_spec(components, ref[JobSpec])
     queries = {r.query for r in ROUTES if r.query is not None}
     paths: dict[str, dict] = {}
     for r in ROUTES:

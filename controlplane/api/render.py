@@ -30,7 +30,7 @@ def links(job: m.Job) -> schema.JobLinks:
 def _job_fields(job: m.Job) -> dict:
     return dict(
         id=job.pk, name=job.name, status=job.status, status_reason=job.status_reason, backend=job.backend,
-        attempt=job.attempt, last_step=job.last_step, steps=int(job.spec.get("steps") or 0),
+        attempt=job.attempt, last_step=job.last_step, steps=job.job_spec.steps,
         progress_pct=figures.progress_pct(job), created_at=job.created_at, started_at=job.started_at,
         first_step_at=job.first_step_at, finished_at=job.finished_at, spec=job.spec, links=links(job),
     )
@@ -69,7 +69,7 @@ def job_detail(job: m.Job, now: datetime) -> schema.JobDetail:
     )
     reported = figures.integration(job)
     integration = schema.Integration(
-        entrypoint=job.spec["entrypoint"], level=reported.level, versions=reported.versions
+        entrypoint=job.job_spec.entrypoint, level=reported.level, versions=reported.versions
     ) if reported is not None else None
     ran_with = [schema.RanWith(**v) for v in runtime_versions(job)]
     return schema.JobDetail(**_job_fields(job), summary=summary, integration=integration, ran_with=ran_with)

@@ -25,20 +25,20 @@ LEVEL_LIMITS = {
 def code_part(job: Job) -> dict | None:
     """What the job runs when it is the user's own code: entrypoint, arguments, environment names, the
     integration level its ranks reported and the versions they run with. None for the built-in model."""
-    spec = job.spec or {}
-    if not spec.get("entrypoint"):
+    spec = job.job_spec
+    if not spec.entrypoint:
         return None
     reported = figures.integration(job)
     level = reported.level if reported else None
     limits = LEVEL_LIMITS.get(level) if level is not None else \
         "waiting for the ranks to start (they report their integration level and versions)"
-    if level is not None and level < 2 and spec.get("in_process"):
+    if level is not None and level < 2 and spec.in_process:
         limits += " In-process restarts are on for this job but take effect only at level 2."
     return {
-        "entrypoint": spec["entrypoint"],
-        "args": shlex.join(spec.get("args") or []),
-        "working_dir": spec.get("working_dir") or "",
-        "env_names": sorted((spec.get("env") or {}).keys()),
+        "entrypoint": spec.entrypoint,
+        "args": shlex.join(spec.args),
+        "working_dir": spec.working_dir,
+        "env_names": sorted(spec.env),
         "level": level,
         "versions": reported.versions if reported else {},
         "limits": limits,

@@ -32,7 +32,6 @@ from controlplane.dashboard.timeline import Span
 from controlplane.dashboard.timeline_figure import PRIORITY
 from controlplane.jobs import figures, health, outages
 from controlplane.jobs.goodput import Epoch
-from controlplane.jobs.heartbeats import Timeouts
 from controlplane.jobs.models import Event, Job, Rank, RankHealth
 from controlplane.jobs.stragglers import STRAGGLER_EVENT
 from trainer.wire import Phase
@@ -72,7 +71,7 @@ def stalled_q(now: datetime) -> Q:
 def moved_forward(job: Job, rows: list[Rank], now: datetime) -> list[Rank]:
     """``rows`` with the heartbeat store's newest beats (the watchdog's own rule)."""
     fresh = figures.freshest(job, [r.rank for r in rows]) if job.is_active and rows else {}
-    timeouts = Timeouts.of(job.spec)
+    timeouts = job.timeouts
     return [health.current(r, fresh.get(r.rank), timeouts, now) for r in rows]
 
 
@@ -216,7 +215,7 @@ def heatmap(job: Job, now: datetime) -> dict:
         where = "" if per_col == 1 else f"local ranks {j * per_col}–{min(ppn, (j + 1) * per_col) - 1}: "
         text[i][j] = f"{where}{words} ({n} rank{'s' if n != 1 else ''})"
     labels = [_row_label(i, per_row, nodes) for i in range(rows)]
-    step_s = Timeouts.of(job.spec).step_s
+    step_s = job.timeouts.step_s
     fig = {
         "figure": {
             "data": [{

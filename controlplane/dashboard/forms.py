@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import shlex
-from dataclasses import fields as dc_fields
 from pathlib import Path
 
 from django import forms
@@ -171,9 +170,10 @@ class JobForm(forms.Form):
         help_text='optional, as on a command line; it must exec its arguments, e.g. '
                   'bash -c \'source /opt/env.sh && exec "$@"\' --')
 
-    SPEC_FIELDS = tuple(f.name for f in dc_fields(JobSpec) if f.name not in ("drills", "kubernetes", "args", "env",
-                                                                                  "failure_policy"))
-    K8S_FIELDS = tuple(f.name for f in dc_fields(KubernetesSpec))
+    # The form's plain fields (python, the local interpreter, is set through the API).
+    SPEC_FIELDS = tuple(f for f in JobSpec.__struct_fields__
+                        if f not in ("drills", "kubernetes", "args", "env", "python", "failure_policy"))
+    K8S_FIELDS = KubernetesSpec.__struct_fields__
 
     @classmethod
     def initial_for(cls, spec: JobSpec, name: str) -> dict:

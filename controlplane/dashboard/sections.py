@@ -21,7 +21,6 @@ from controlplane.dashboard.timeline import STRAGGLER, Span, job_spans, rank_spa
 from controlplane.jobs import figures, health, outages, policy
 from controlplane.jobs.policy import POLICY_EVENT
 from controlplane.jobs.goodput import PARTS, Epoch
-from controlplane.jobs.heartbeats import Timeouts
 from controlplane.jobs.stragglers import STRAGGLER_EVENT, straggler_spans
 from controlplane.jobs.models import (
     AuditEntry,
@@ -157,7 +156,7 @@ def job_rows(jobs: list[Job], now: datetime) -> list[dict]:
     )
     rows = []
     for j in jobs:
-        steps = int(j.spec.get("steps") or 0)
+        steps = j.job_spec.steps
         by_layer = restarts.get(j.pk, {})
         rows.append(
             {
@@ -197,7 +196,7 @@ def lanes_for(job: Job, now: datetime) -> list[dict]:
 def _rank_lanes(job: Job, now: datetime, ranks: dict[int, Rank], ids: list[int]) -> list[dict]:
     # Each row moved forward to the heartbeat store's newest beat, judged by the watchdog's own rule.
     fresh = figures.freshest(job, ids) if job.is_active and ids else {}
-    timeouts = Timeouts.of(job.spec)
+    timeouts = job.timeouts
     lanes = []
     for i in ids:
         r = ranks.get(i)

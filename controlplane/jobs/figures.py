@@ -147,7 +147,7 @@ def checkpoint_counts(states: Iterable[str]) -> dict[str, int]:
 
 
 def progress_pct(job: Job) -> int:
-    steps = int(job.spec.get("steps") or 0)
+    steps = job.job_spec.steps
     return min(100, round(100 * job.last_step / steps)) if steps else 0
 
 
@@ -184,7 +184,7 @@ def slowdowns(job: Job, rows: Iterable[Rank], now: datetime, *, complete: bool =
     they are the whole world, the stored rows of the other ranks (one query; those lag Redis by up to a
     flush). A rank counts while it trains and ``Rank.health_at`` judges it ok or late (the other ranks'
     rows through ``Rank.objects.ok_or_late``, the same rule in SQL)."""
-    margin = health.straggler_margin_pct(job.spec or {})
+    margin = job.job_spec.straggler_margin_pct
     if not job.is_active or margin <= 0:
         return {}
     busy: dict[int, float] = {}
@@ -201,7 +201,7 @@ def slowdowns(job: Job, rows: Iterable[Rank], now: datetime, *, complete: bool =
 
 def slowdowns_of(job: Job, ranks: QuerySet, now: datetime) -> dict[int, float]:
     """``slowdowns`` judged with the stored rows of ``ranks`` (the whole world), read as numbers."""
-    margin = health.straggler_margin_pct(job.spec or {})
+    margin = job.job_spec.straggler_margin_pct
     if not job.is_active or margin <= 0:
         return {}
     busy = dict(ranks.ok_or_late(now).filter(phase=Phase.TRAIN, busy_s__isnull=False).values_list("rank", "busy_s"))
@@ -222,7 +222,7 @@ def rank_figures(job: Job, rows: Iterable[Rank | tuple[int, None]], now: datetim
     rows = list(rows)
     numbers = [r.rank if isinstance(r, Rank) else r[0] for r in rows]
     fresh = freshest(job, numbers) if job.is_active and numbers else {}
-    timeouts = heartbeats.Timeouts.of(job.spec)
+    timeouts = job.timeouts
     windows = outages.grace_windows(now) if job.is_active and numbers else []
     # Each row moved forward by the watchdog's own rule.
     moved = [health.current(r, fresh.get(r.rank), timeouts, now) if isinstance(r, Rank) else r for r in rows]

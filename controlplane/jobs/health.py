@@ -15,16 +15,13 @@ windowed figure comes back under the margin.
 
 from __future__ import annotations
 
-import dataclasses
 from datetime import datetime
 
 from controlplane.jobs.heartbeats import RankState, Timeouts, utc
 from controlplane.jobs.models import Rank, RankHealth
 from controlplane.jobs.outages import grace_s
-from controlplane.jobs.spec import JobSpec
 from trainer.wire import Phase
 
-_MARGIN_DEFAULT = next(f.default for f in dataclasses.fields(JobSpec) if f.name == "straggler_margin_pct")
 
 
 def current(row: Rank, fresh: RankState | None, timeouts: Timeouts, now: datetime) -> Rank:
@@ -77,12 +74,6 @@ def judge(row: Rank, now: datetime, windows: list[tuple[float, float]] = (),
     return h
 
 
-def straggler_margin_pct(spec: dict) -> float:
-    """The job's margin (``JobSpec.straggler_margin_pct``, read from the stored dict; 0: detection off)."""
-    value = spec.get("straggler_margin_pct")
-    return float(_MARGIN_DEFAULT if value is None else value)
-
-
 def slowdowns(busy: dict[int, float], margin_pct: float) -> dict[int, float]:
     """{rank: slowdown in percent} for the ranks whose ``busy_s`` is more than ``margin_pct`` above the
     median of the other ranks' (``busy``: rank -> busy_s of the ranks in training). Needs two ranks;
@@ -115,4 +106,4 @@ def rank_health(row: Rank, fresh: RankState | None, timeouts: Timeouts, now: dat
     return judge(current(row, fresh, timeouts, now), now, windows)
 
 
-__all__ = ["current", "in_grace", "judge", "rank_health", "slowdowns", "straggler_margin_pct"]
+__all__ = ["current", "in_grace", "judge", "rank_health", "slowdowns"]

@@ -375,7 +375,7 @@ class RedisHeartbeatStore:
                         self.drop_job(job_id)
                         continue
                     job = jobs[job_id]
-                    n += self._flush_job(job_id, Timeouts.of(job.spec), now, token, world_size=job.world_size)
+                    n += self._flush_job(job_id, job.timeouts, now, token, world_size=job.world_size)
                 except Exception:  # one job's failure must not hold up any other job's rows
                     log.exception("heartbeat flush: job %s failed; it is retried by the next flush", job_id)
                     failed.append(job_id)

@@ -137,7 +137,7 @@ class PartlyStored(Exception):
 def _record(job: Job, beats: list[dict], events: list[Any], source: str, *, now: datetime,
             store: hb_store.HeartbeatStore | None) -> IngestResult:
     store = store or hb_store.get_store()
-    timeouts = hb_store.Timeouts.of(job.spec)
+    timeouts = job.timeouts
     n_new = 0
     launching = job.status in (JobStatus.PENDING, JobStatus.LAUNCHING)
     if events or (beats and (store.in_transaction or launching)):

@@ -11,13 +11,14 @@ import hashlib
 import hmac
 import secrets
 from datetime import datetime
+from functools import cached_property
 
 from django.conf import settings
 from django.db import models
 from django.utils import timezone
 
 from controlplane.jobs.lost import cycle_steps_lost
-from controlplane.jobs.spec import JobSpec
+from controlplane.jobs.spec import JobSpec, Timeouts
 from trainer.wire import CheckpointState, CommandKind, FaultClass, Layer, Phase
 
 TOKEN_PREFIX = "ubk_"
@@ -83,13 +84,19 @@ class Job(models.Model):
     def __str__(self) -> str:
         return f"#{self.pk} {self.name}"
 
-    @property
+    @cached_property
     def job_spec(self) -> JobSpec:
-        return JobSpec.from_dict(self.spec)
+        """The stored spec, typed: every read of a job's settings goes through it (decoded once per row)."""
+        return JobSpec.from_stored(self.spec)
 
     @property
     def world_size(self) -> int:
-        return int(self.spec.get("nodes", 1)) * int(self.spec.get("procs_per_node", 1))
+        return self.job_spec.world_size
+
+    @property
+    def timeouts(self) -> Timeouts:
+        """The supervision timeouts of the spec (step, checkpoint, stall)."""
+        return Timeouts.of(self.job_spec)
 
     @property
     def is_active(self) -> bool:

@@ -9,55 +9,22 @@ the stores that call these; ``jobs.health`` judges a rank by the same rules.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Iterable
 
 from django.db import connection
 
-from controlplane.jobs.spec import JobSpec
+from controlplane.jobs.spec import Timeouts
 from trainer import wire
 from trainer.wire import Heartbeat, Phase
 
 _STOPPED = Phase.STOPPED.value
 _TRAIN = Phase.TRAIN.value
 _SLOW_PHASES = frozenset(p.value for p in wire.SLOW_PHASES)
-_SLOW_OR_STOPPED = _SLOW_PHASES | {_STOPPED}
-_SPEC_DEFAULTS = {f.name: f.default for f in dataclasses.fields(JobSpec)}
 
 
 def utc(ts: float) -> datetime:
     return datetime.fromtimestamp(ts, tz=UTC)
-
-
-@dataclass(slots=True, frozen=True)
-class Timeouts:
-    """The supervision timeouts of one job's spec, in seconds (read once per batch)."""
-
-    step_s: float
-    checkpoint_s: float
-    stall_s: float
-
-    @classmethod
-    def of(cls, spec: dict) -> Timeouts:
-        # The defaults are JobSpec's (one definition); the stored dict is read as is (no parse per batch).
-        d = _SPEC_DEFAULTS
-        return cls(step_s=float(spec.get("step_timeout_s", d["step_timeout_s"])),
-                   checkpoint_s=float(spec.get("checkpoint_timeout_s", d["checkpoint_timeout_s"])),
-                   stall_s=float(spec.get("stall_timeout_s", d["stall_timeout_s"])))
-
-    def deadline(self, phase: str, at: float) -> float | None:
-        """A rank's deadline in unix seconds: ``wire.SLOW_PHASES`` get the checkpoint timeout; a stopped
-        rank has none."""
-        if phase == _STOPPED:
-            return None
-        return at + (self.checkpoint_s if phase in _SLOW_PHASES else self.step_s)
-
-    def deadlines(self, phases: list[str], ats: list[float]) -> list[float | None]:
-        """``deadline`` over columns (the ingest hot path): in one pass when every beat is in a plain phase."""
-        if _SLOW_OR_STOPPED.isdisjoint(phases):
-            return [a + self.step_s for a in ats]
-        return list(map(self.deadline, phases, ats))
 
 
 def _rank_state_fields() -> list:

@@ -161,7 +161,7 @@ def _mark_job_lost(job: Job, ranks: list[int], now: datetime, store: hb_store.He
         outages.dependency_failed(outages.Component.REDIS,
                                   f"heartbeat store: {e}; the watchdog reads the rows")
         fresh = {}
-    timeouts = hb_store.Timeouts.of(job.spec)
+    timeouts = job.timeouts
     rows = {r.rank: r for r in Rank.objects.filter(job=job, rank__in=ranks)}
     views = {r: health.current(rows.get(r) or Rank(job=job, rank=r), fresh.get(r), timeouts, now)
              for r in ranks}

@@ -1,97 +1,66 @@
-"""The trainer's command line, built from a JobSpec. Shared by every launcher (local processes, pods).
+"""The launcher's command line and environment, built from a JobSpec. Shared by every launcher (local
+processes, pods).
 
-Pure functions: same spec in, same argv out. ``launch_args`` is what ``python -m trainer.launch`` takes
-(the ft_launcher side: nodes, rendezvous, in-job restarts, identity); everything after ``--`` is
-``trainer_args`` (the training loop: model, steps, checkpoints, in-process restarts, drills).
+Pure functions: same spec in, same argv out. The spec itself travels whole, as one JSON document in one
+environment variable (``launch_env``: ``trainer.jobspec.ENV_SPEC``) that ``trainer.launch`` and each rank
+decode with the same type; the argv (``launch_args``) carries only what the spec cannot know: the node's
+rank, the rendezvous endpoint, the run directory, the job's identity and attempt, the ingest URL, and
+(Kubernetes) the container's working directory.
 """
 
 from __future__ import annotations
 
-import json
-
 from controlplane.jobs.spec import JobSpec
 from trainer import nvrx_compat
+from trainer.jobspec import ENV_SPEC, LOCAL_CHECKPOINT_ROOT
 
 TRAINER_LAUNCH = ("python", "-m", "trainer.launch")
 RDZV_PORT = 29500
-#: The node's shared memory (a pod mounts the node's /dev/shm): each rank's copy of its newest async save.
-LOCAL_CHECKPOINT_ROOT = "/dev/shm/unbroken"
+
+__all__ = [
+    "LOCAL_CHECKPOINT_ROOT",
+    "RDZV_PORT",
+    "TRAINER_LAUNCH",
+    "launch_args",
+    "launch_env",
+    "nvrx_problems",
+]
 
 
-def _num(x: float) -> str:
-    """Seconds as the shortest exact text: 1.0 -> '1', 0.5 -> '0.5'."""
-    return str(int(x)) if float(x).is_integer() else repr(float(x))
+def launch_env(spec: JobSpec) -> dict[str, str]:
+    """The environment variable that hands the launcher (and through it every rank) the whole spec."""
+    return {ENV_SPEC: spec.encode()}
 
 
-def trainer_args(spec: JobSpec, *, report_url: str = "") -> list[str]:
-    """Flags of the training loop (``python -m trainer`` parses them; ``trainer.launch`` passes them on).
-
-    For the user's own code (``spec.entrypoint``) they are the shim's: reporting, drills, the layers'
-    timeouts and the checkpoint settings the SDK's full level uses (no model: the user's code has it)."""
-    if spec.entrypoint:
-        args = ["--in-process" if spec.in_process else "--no-in-process", "--steps", str(spec.steps),
-                "--ckpt-interval", str(spec.checkpoint_interval), "--ckpt-mode", spec.checkpoint_mode,
-                "--keep-ckpts", str(spec.keep_checkpoints),
-                "--step-timeout", _num(spec.step_timeout_s),
-                "--ckpt-timeout", _num(spec.checkpoint_timeout_s),
-                "--startup-timeout", _num(max(120.0, 2 * spec.step_timeout_s))]
-    else:
-        args = [
-            "--preset", spec.preset,
-            "--steps", str(spec.steps),
-            "--ckpt-interval", str(spec.checkpoint_interval),
-            "--ckpt-mode", spec.checkpoint_mode,
-            "--keep-ckpts", str(spec.keep_checkpoints),
-            "--in-process" if spec.in_process else "--no-in-process",
-        ]
-    if spec.local_checkpoint_copy and spec.checkpoint_mode == "async":
-        args += ["--local-ckpt-dir", LOCAL_CHECKPOINT_ROOT]
-    if spec.in_process:
-        args += ["--max-in-process-restarts", str(spec.max_in_process_restarts)]
-    args += ["--report-interval", _num(spec.heartbeat_interval_s)]
-    if spec.straggler_window_s != 5.0:  # the trainer's default
-        args += ["--straggler-window", _num(spec.straggler_window_s)]
-    for drill in spec.drills:
-        args += ["--drill", drill.as_flag()]
-    if report_url:
-        args += ["--report-url", report_url]
-    return args
-
-
-def launch_args(spec: JobSpec, *, node_rank: int | str, rdzv_endpoint: str, run_dir: str, job_id: int | str,
-                attempt: int, report_url: str = "", working_dir: str = "") -> list[str]:
-    """Arguments of ``python -m trainer.launch`` for one node.
+def launch_args(
+    spec: JobSpec,
+    *,
+    node_rank: int | str,
+    rdzv_endpoint: str,
+    run_dir: str,
+    job_id: int | str,
+    attempt: int,
+    report_url: str = "",
+    working_dir: str = "",
+) -> list[str]:
+    """Arguments of ``python -m trainer.launch`` for one node (the settings come from ``launch_env``).
 
     ``node_rank`` is a number, or a reference the runtime expands (Kubernetes: ``$(JOB_COMPLETION_INDEX)``).
-    ``--max-restarts`` is ft_launcher's in-job budget; with in-job restarts off it is 0 so that a
-    failed rank ends the node at once and the control plane decides (job-level restart or fail).
-    The user's own code adds ``--entrypoint``/``--workdir`` and its arguments after a second ``--``.
+    ``working_dir`` overrides the spec's (the local launcher runs the user's code in this tree by default).
     """
-    user: list[str] = []
-    if spec.entrypoint:
-        user = ["--entrypoint", spec.entrypoint]
-        if working_dir or spec.working_dir:
-            user += ["--workdir", working_dir or spec.working_dir]
-    tail = ["--", *spec.args] if spec.entrypoint else []
     return [
-        "--nnodes", str(spec.nodes),
-        "--node-rank", str(node_rank),
-        "--nproc-per-node", str(spec.procs_per_node),
-        "--rdzv-endpoint", rdzv_endpoint,
-        "--max-restarts", str(spec.max_in_job_restarts if spec.in_job else 0),
-        "--in-job" if spec.in_job else "--no-in-job",
-        *(["--max-no-progress-restarts", str(n)] if (n := spec.max_no_progress_restarts) else []),
-        *(["--node-agent"] if spec.node_agent else []),
-        *(["--fork-ranks"] if spec.fork_ranks and spec.in_job else []),
-        *(["--failure-policy", json.dumps([r.to_dict() for r in spec.failure_policy], separators=(",", ":"))]
-          if spec.failure_policy else []),
-        "--run-dir", run_dir,
-        "--job-id", str(job_id),
-        "--attempt", str(attempt),
-        *user,
-        "--",
-        *trainer_args(spec, report_url=report_url),
-        *tail,
+        "--node-rank",
+        str(node_rank),
+        "--rdzv-endpoint",
+        rdzv_endpoint,
+        "--run-dir",
+        run_dir,
+        "--job-id",
+        str(job_id),
+        "--attempt",
+        str(attempt),
+        *(["--report-url", report_url] if report_url else []),
+        *(["--workdir", working_dir] if spec.entrypoint and working_dir else []),
     ]
 
 

@@ -25,8 +25,9 @@ import psutil
 from django.conf import settings
 
 from controlplane.jobs.models import Job
+from controlplane.jobs.spec import JobSpec
 from controlplane.launchers.base import LaunchError, LaunchFault, PollResult
-from controlplane.launchers.command import launch_args, nvrx_problems
+from controlplane.launchers.command import launch_args, launch_env, nvrx_problems
 from controlplane.launchers.isolation import account_problems, job_account, prepare_run_dir, rank_env
 from trainer import nvrx_compat
 from trainer.ports import free_port_block
@@ -49,6 +50,25 @@ def _free_port_block() -> int:
         return free_port_block(4, tries=50)
     except OSError as e:
         raise LaunchError(f"{e}; free some ports and retry") from e
+
+
+def _interpreter_problems(spec: JobSpec) -> list[str]:
+    """Why the spec's interpreter cannot run the job's ranks: it must import ``unbroken`` (pip install
+    ./trainer) and ``torch``, with the environment the launch gives it."""
+    env = {**os.environ, **spec.env, "PYTHONPATH": nvrx_compat.child_pythonpath(
+        [str(settings.BASE_DIR), str(settings.BASE_DIR / "trainer")],
+        spec.env.get("PYTHONPATH") or os.environ.get("PYTHONPATH"))}
+    try:
+        r = subprocess.run([spec.python, "-c", "import unbroken, torch"], env=env, capture_output=True,
+                           text=True, timeout=120, stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return [f"python: {spec.python} cannot run ({e}); name the interpreter of the environment where "
+                "you ran pip install ./trainer"]
+    if r.returncode != 0:
+        last = (r.stderr.strip().splitlines() or ["no output"])[-1]
+        return [f"python: {spec.python} cannot import unbroken and torch ({last}); run pip install ./trainer "
+                "(and torch) in that environment, or name its interpreter"]
+    return []
 
 
 def launch_tag(job: Job) -> str:
@@ -81,6 +101,8 @@ class LocalLauncher:
             problems += [] if unreachable else _user_code_problems(spec, account)
         elif spec.preset not in ("tiny", "small"):
             problems.append(f"preset {spec.preset!r} needs GPUs; on this machine use tiny or small")
+        if spec.python:
+            problems += _interpreter_problems(spec)
         # Local ranks run with this process's environment, so its NVRx is theirs.
         installed = ".".join(map(str, nvrx_compat.version()))
         problems += nvrx_problems(spec, installed)
@@ -101,7 +123,7 @@ class LocalLauncher:
             raise LaunchError("the job's token file is gone; start a new job")
         spec = job.job_spec
         base_port = _free_port_block()
-        argv = [sys.executable, "-m", "trainer.launch", *launch_args(
+        argv = [spec.python or sys.executable, "-m", "trainer.launch", *launch_args(
             spec, node_rank=0, rdzv_endpoint=f"127.0.0.1:{base_port}", run_dir=str(rd),
             job_id=job.pk, attempt=job.attempt, report_url=settings.PUBLIC_URL,
             working_dir=(spec.working_dir or str(settings.BASE_DIR)) if spec.entrypoint else "",
@@ -131,6 +153,7 @@ class LocalLauncher:
             "UNBROKEN_LAUNCH_TAG": launch_tag(job),
             "UNBROKEN_PID_FILE": str(pid_file),
             "UNBROKEN_EXIT_FILE": str(exit_file),
+            **launch_env(spec),
         }
         if account is not None:
             env.update(USER=account.name, LOGNAME=account.name)

@@ -42,7 +42,7 @@ def fault_log(job: Job, fault: Fault, *, max_bytes: int = 64000) -> LogTail:
     node rank from the rank, or from a launcher fault's message) while that pod exists."""
     if job.backend != "kubernetes":
         return log_tail(job, max_bytes=max_bytes)
-    procs = int(job.spec.get("procs_per_node", 1)) or 1
+    procs = job.job_spec.procs_per_node
     m = _NODE_RANK.search(fault.message or "")
     node = fault.rank // procs if fault.rank is not None else (int(m.group(1)) if m else None)
     try:

@@ -15,7 +15,7 @@ object, never a duplicate; the attempt is a label. The Secret and Service carry 
 the workload, so deleting the Job deletes its pods, Service and Secret.
 
 The user's own code (``spec.entrypoint``) runs in the user's image under the same launcher: the container
-runs ``[*kubernetes.command,] python -m trainer.launch ... --entrypoint EP -- <shim flags> -- <user args>``,
+runs ``[*kubernetes.command,] python -m trainer.launch --node-rank ... --run-dir ...`` with the spec in its env,
 with ``spec.env`` as plain env entries and ``spec.working_dir`` as its ``workingDir``. Everything that
 comes from the spec reaches the process literally: the kubelet expands ``$(VAR)`` in command, args and
 env values, so the spec's ``$`` are written as ``$$``; only the launcher's own references expand.
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from controlplane.jobs.spec import SECRET_ENV, JobSpec, KubernetesSpec
-from controlplane.launchers.command import RDZV_PORT, TRAINER_LAUNCH, launch_args
+from controlplane.launchers.command import RDZV_PORT, TRAINER_LAUNCH, launch_args, launch_env
 
 PREFIX = "unbroken"
 CONTAINER = "trainer"
@@ -154,7 +154,8 @@ def literal(text: str) -> str:
 def container_args(spec: JobSpec, *, job_id: int, attempt: int) -> list[str]:
     """``trainer.launch`` arguments of every pod; the runtime fills in the node rank and the ingest URL.
 
-    The user's entrypoint, working directory and arguments (from the spec) are passed literally."""
+    The settings travel in the spec's environment variable (``launch_env``); the working directory is
+    passed literally."""
     names = names_for(spec, job_id)
     argv = launch_args(
         spec,
@@ -166,12 +167,6 @@ def container_args(spec: JobSpec, *, job_id: int, attempt: int) -> list[str]:
         report_url="$(UNBROKEN_REPORT_URL)",
         working_dir=literal(spec.working_dir),
     )
-    if spec.entrypoint:
-        # launch_args: ... --entrypoint EP [--workdir DIR] -- <shim flags> -- <user args> (the user's last).
-        i = argv.index("--entrypoint") + 1
-        argv[i] = literal(argv[i])
-        if spec.args:
-            argv[-len(spec.args):] = [literal(a) for a in spec.args]
     return argv
 
 
@@ -215,6 +210,7 @@ def pod_template(spec: JobSpec, *, job_id: int, attempt: int) -> dict[str, Any]:
          "valueFrom": {"secretKeyRef": {"name": names.secret, "key": REPORT_URL_KEY}}},
         {"name": "UNBROKEN_JOB_ID", "value": str(job_id)},
         {"name": "UNBROKEN_ATTEMPT", "value": str(attempt)},
+        *({"name": k, "value": literal(v)} for k, v in launch_env(spec).items()),
         {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
         {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},

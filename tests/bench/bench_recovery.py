@@ -5,7 +5,7 @@ first_step_at (latest rank) - fault_at of its cycle, from the events the trainer
 to a local sink.
 
 1. The default job spec (the demo's: tiny preset, checkpoints every 20 steps, async, its timeouts;
-   the trainer flags come from the control plane's own ``trainer_args``), with drills at spread offsets
+   the trainer flags carry the spec's settings: ``spec_flags``), with drills at spread offsets
    from the last save (1 step after it, while its async save is in flight, up to 19): in-process
    (exception and nan_loss, 8 each), in-job (sigkill, 8), a hang, and job-level restarts (new
    processes + checkpoint reload, as the control plane does with --attempt, timed from the launch
@@ -62,7 +62,7 @@ OFFSETS = (1, 3, 6, 9, 12, 15, 17, 19)
 def default_flags(drills: list[tuple[int, str, int]], steps: int) -> list[str]:
     """The trainer flags the control plane gives a job with the default spec and these drills."""
     from controlplane.jobs.spec import Drill, JobSpec
-    from controlplane.launchers.command import trainer_args
+    from tests.trainer.conftest import spec_flags as trainer_args
 
     spec = JobSpec(steps=steps, drills=tuple(Drill(step=s, fault=f, rank=r) for s, f, r in drills))
     return trainer_args(spec)

@@ -51,7 +51,14 @@ def make_job(*, spec: dict | None = None, status: str = "running", **overrides):
     from controlplane.jobs.models import Job
     from controlplane.jobs.spec import JobSpec
 
-    full = JobSpec(**{"procs_per_node": 4, **(spec or {})}).to_dict()
+    from trainer.jobspec import IN_PROCESS_HARD_TIMEOUT_S
+
+    defaults: dict = {"procs_per_node": 4}
+    if (spec or {}).get("step_timeout_s", 30.0) <= IN_PROCESS_HARD_TIMEOUT_S:
+        # A short step timeout (quick supervision tests) is one the in-process layer would outlast: the spec
+        # refuses it with in-process restarts on, so these jobs have them off.
+        defaults["in_process"] = False
+    full = JobSpec(**{**defaults, **(spec or {})}).to_dict()
     job = Job(name=overrides.pop("name", "test-job"), spec=full, status=status, **overrides)
     token = job.issue_token()
     job.save()

@@ -151,6 +151,50 @@ def launch(run_dir: Path, *, timeout_s: float = 240, **kw: Any) -> Run:
     return Run(rc=proc.returncode, log=out, run_dir=run_dir, wall_s=time.monotonic() - t0)
 
 
+def spec_flags(spec: Any) -> list[str]:
+    """The trainer flags of a hand launch (``launch``) with ``spec``'s settings, for the benchmarks that drive
+    the launcher by flags (the control plane hands the spec whole: ``spec_command``)."""
+    def num(x: float) -> str:
+        return str(int(x)) if float(x).is_integer() else repr(float(x))
+
+    args = ["--preset", spec.preset, "--in-process" if spec.in_process else "--no-in-process",
+            "--steps", str(spec.steps), "--ckpt-interval", str(spec.checkpoint_interval),
+            "--ckpt-mode", spec.checkpoint_mode, "--keep-ckpts", str(spec.keep_checkpoints),
+            "--step-timeout", num(spec.step_timeout_s), "--ckpt-timeout", num(spec.checkpoint_timeout_s),
+            "--startup-timeout", num(spec.startup_timeout_s), "--max-in-process-restarts",
+            str(spec.max_in_process_restarts), "--straggler-window", num(spec.straggler_window_s)]
+    if spec.local_checkpoint_copy and spec.checkpoint_mode == "async":
+        args += ["--local-ckpt-dir", "/dev/shm/unbroken"]
+    return args + [a for d in spec.drills for a in ("--drill", d.as_flag())]
+
+
+def spec_command(run_dir: Path, spec: Any, *, report_url: str = "", job_id: str = "job-1",
+                 token: str = "t0ken", env: dict[str, str] | None = None) -> tuple[list[str], dict[str, str]]:
+    """The command line and environment the control plane's launchers give ``trainer.launch`` for ``spec``
+    (a ``JobSpec``): the spec whole in one variable, identity in flags."""
+    from controlplane.launchers.command import launch_args, launch_env
+
+    argv = launch_args(spec, node_rank=0, rdzv_endpoint=f"127.0.0.1:{free_port_block()}",
+                       run_dir=str(run_dir), job_id=job_id, attempt=0, report_url=report_url)
+    env = child_env(UNBROKEN_TOKEN=token, **launch_env(spec), **(env or {}))
+    return [PYTHON, "-m", "trainer.launch", *argv], env
+
+
+def launch_spec(run_dir: Path, spec: Any, *, timeout_s: float = 240, **kw: Any) -> Run:
+    """``trainer.launch`` as the control plane starts it for ``spec`` (the keywords of ``spec_command``)."""
+    cmd, env = spec_command(run_dir, spec, **kw)
+    t0 = time.monotonic()
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+        out, _ = proc.communicate()
+        out += "\n<<TIMEOUT>>"
+    return Run(rc=proc.returncode, log=out, run_dir=run_dir, wall_s=time.monotonic() - t0)
+
+
 @pytest.fixture
 def receiver():
     r = Receiver().start()

@@ -6,8 +6,7 @@ import time
 import pytest
 
 from controlplane.jobs.spec import Drill, JobSpec
-from controlplane.launchers.command import trainer_args
-from tests.trainer.conftest import launch
+from tests.trainer.conftest import launch_spec
 from tests.trainer.stragglers import straggler_marks
 from trainer.straggler import BusyClock
 
@@ -17,8 +16,7 @@ pytestmark = pytest.mark.django_db  # pytest-django: the rule's module imports t
 def run(tmp_path, receiver, drills=()):
     # A 2 s window: each rank's first window is warm-up (no busy_s), and 90 steps last 6-10 s here.
     spec = JobSpec(steps=90, checkpoint_interval=20, drills=drills, straggler_window_s=2)
-    r = launch(tmp_path, trainer_flags=trainer_args(spec), report_url=receiver.url,
-               report_interval=spec.heartbeat_interval_s)
+    r = launch_spec(tmp_path, spec, report_url=receiver.url)
     assert r.rc == 0, r.log[-4000:]
     return receiver.batches, spec.straggler_margin_pct
 

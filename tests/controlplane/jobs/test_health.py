@@ -39,7 +39,7 @@ def test_the_view_is_the_row_the_flush_writes(hb_store, second):
     row = Rank.objects.get(job=job, rank=0)
     beat(job, hb(0, at=time.time(), node="n0", pid=7, loss=1.5, **second))
     now = timezone.now()
-    view = health.current(row, hb_store.freshest(job.pk, [0])[0], Timeouts.of(job.spec), now)
+    view = health.current(row, hb_store.freshest(job.pk, [0])[0], job.timeouts, now)
     hb_store.flush(now=now)
     written = Rank.objects.get(job=job, rank=0)
     for f in FIELDS:
@@ -57,4 +57,4 @@ def test_an_older_beat_changes_nothing():
     from controlplane.jobs.heartbeats import RankState
 
     old = RankState(rank=0, at=(timezone.now() - timedelta(seconds=5)).timestamp(), step=3, phase="train")
-    assert health.current(row, old, Timeouts.of(job.spec), timezone.now()) is row
+    assert health.current(row, old, job.timeouts, timezone.now()) is row

@@ -1,37 +1,41 @@
 """A spec that runs the user's own code: validation and the launcher's command line."""
 
+import os
+
 import pytest
 
 from controlplane.jobs.spec import JobSpec, SpecError
-from controlplane.launchers.command import launch_args
+from controlplane.launchers.command import launch_args, launch_env
 
 
-def _args(**spec) -> list[str]:
-    return launch_args(JobSpec.from_dict(spec), node_rank=0, rdzv_endpoint="h:1", run_dir="/r", job_id=7,
-                       attempt=0, report_url="http://cp")
+def _parsed(monkeypatch, **spec):
+    launch = pytest.importorskip("trainer.launch")
+    job = JobSpec.from_dict(spec)
+    for k, v in launch_env(job).items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr(os.path, "isdir", lambda p: True)  # the working directory is on the job's machine
+    return launch.parse(launch_args(job, node_rank=0, rdzv_endpoint="h:1", run_dir="/r", job_id=7, attempt=0,
+                                    report_url="http://cp", working_dir=job.working_dir))
 
 
-def test_it_runs_the_users_script_with_its_arguments_after_the_shims_flags():
-    args = _args(entrypoint="train.py", args=["--lr", "3e-4", "--"], working_dir="/srv/p", step_timeout_s=7)
-    i = args.index("--")
-    assert args[:i][-4:] == ["--entrypoint", "train.py", "--workdir", "/srv/p"]
-    shim, user = args[i + 1:len(args) - 3], args[-3:]
-    assert user == ["--lr", "3e-4", "--"] and shim[-1] == "--"
-    assert "--no-in-process" in shim and shim[shim.index("--step-timeout") + 1] == "7"
-    assert "--preset" not in shim  # the built-in model's flags are not passed
+def test_it_runs_the_users_script_with_its_arguments(monkeypatch):
+    ns, trainer_args, cfg = _parsed(monkeypatch, entrypoint="train.py", args=["--lr", "3e-4", "--"],
+                                    working_dir="/srv/p", step_timeout_s=7)
+    assert (ns.entrypoint, ns.workdir, ns.user_args) == ("train.py", "/srv/p", ["--lr", "3e-4", "--"])
+    assert cfg.in_process is False and cfg.step_timeout == 7
+    assert "--preset" not in trainer_args  # the built-in model's arguments are not passed
 
 
-def test_the_built_in_model_keeps_its_command():
-    args = _args()
-    assert "--entrypoint" not in args and args[args.index("--preset") + 1] == "tiny"
-    assert args.count("--") == 1
+def test_the_built_in_model_runs_the_example_with_its_preset(monkeypatch):
+    ns, _, _ = _parsed(monkeypatch)
+    assert ns.entrypoint == "trainer.examples.synthetic:train" and ns.user_args[:2] == ["--preset", "tiny"]
 
 
-def test_in_process_restart_is_off_for_ones_own_code_unless_asked():
+def test_in_process_restart_is_off_for_ones_own_code_unless_asked(monkeypatch):
     assert JobSpec.from_dict({"entrypoint": "train.py"}).in_process is False
-    assert "--no-in-process" in _args(entrypoint="train.py")
-    args = _args(entrypoint="pkg.train:train", in_process=True, checkpoint_interval=7)
-    assert "--in-process" in args and args[args.index("--ckpt-interval") + 1] == "7"
+    assert _parsed(monkeypatch, entrypoint="train.py")[2].in_process is False
+    cfg = _parsed(monkeypatch, entrypoint="pkg.train:train", in_process=True, checkpoint_interval=7)[2]
+    assert cfg.in_process is True and cfg.ckpt_interval == 7
     with pytest.raises(SpecError) as e:  # drills only the SDK's full level can fire
         JobSpec.from_dict({"entrypoint": "t.py", "drills": [{"step": 5, "fault": "nan_loss", "rank": 0}]})
     assert "in-process restarts on" in e.value.errors["drills[0].fault"]

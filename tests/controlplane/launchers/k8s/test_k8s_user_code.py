@@ -18,6 +18,7 @@ from controlplane.jobs.models import Fault, Job, JobStatus
 from controlplane.jobs.spec import JobSpec
 from controlplane.launchers import manifests, services, tasks
 from controlplane.launchers.base import LaunchError
+from trainer.jobspec import ENV_SPEC
 
 OWNER = {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": "unbroken-42", "uid": "u-1"}}
 IMAGE = "123456789012.dkr.ecr.us-east-1.amazonaws.com/my-llm:3"
@@ -79,17 +80,16 @@ def test_it_runs_the_launcher_wrapping_the_entrypoint_as_pid_1():
     c = pod_container(job)
     assert c["command"] == ["python", "-m", "trainer.launch"]  # no shell in between: the launcher is PID 1
     args = c["args"]
-    first, second = args.index("--"), len(args) - 1 - args[::-1].index("--")
-    assert args[args.index("--entrypoint") + 1] == "train.py"
     assert args[args.index("--workdir") + 1] == "/workspace/llm"
-    assert args.index("--entrypoint") < first < second
-    assert args[second + 1:] == ["--config", "configs/7b.yaml", "--lr=3e-4"]
-    shim_flags = args[first + 1:second]
-    assert "--no-in-process" in shim_flags and "--preset" not in shim_flags
-    assert shim_flags[shim_flags.index("--report-url") + 1] == "$(UNBROKEN_REPORT_URL)"
+    assert args[args.index("--report-url") + 1] == "$(UNBROKEN_REPORT_URL)"
+    assert "--" not in args and "--entrypoint" not in args  # the code, its arguments, settings: in the spec
+    (spec_env,) = [e["value"] for e in c["env"] if e["name"] == ENV_SPEC]
+    spec = JobSpec.decode(kubelet_expand(spec_env, {}))
+    assert (spec.entrypoint, spec.in_process) == ("train.py", False)
+    assert spec.args == ("--config", "configs/7b.yaml", "--lr=3e-4")
 
 
-def test_the_user_code_pod_argv_parses_with_the_trainers_own_launcher(tmp_path):
+def test_the_user_code_pod_argv_parses_with_the_trainers_own_launcher(tmp_path, monkeypatch):
     """What trainer.launch receives after the kubelet's expansion: the node rank and URL expanded, the
     spec's own text (with $ signs) exactly as written."""
     launch = pytest.importorskip("trainer.launch")
@@ -98,6 +98,9 @@ def test_the_user_code_pod_argv_parses_with_the_trainers_own_launcher(tmp_path):
     os.makedirs(spec.working_dir)
     env = {"JOB_COMPLETION_INDEX": "1", "UNBROKEN_REPORT_URL": "http://cp:8000", "HOSTNAME": "pod-1"}
     argv = [kubelet_expand(a, env) for a in manifests.container_args(spec, job_id=42, attempt=1)]
+    (c,) = manifests.pod_template(spec, job_id=42, attempt=1)["spec"]["containers"]
+    (spec_env,) = [e["value"] for e in c["env"] if e["name"] == ENV_SPEC]
+    monkeypatch.setenv(ENV_SPEC, kubelet_expand(spec_env, env))
     ns, _, cfg = launch.parse(argv)
     assert (ns.node_rank, cfg.report_url, cfg.in_process) == (1, "http://cp:8000", False)
     assert (ns.entrypoint, ns.workdir) == ("src/train$$v2.py", spec.working_dir)
@@ -228,8 +231,9 @@ def test_it_launches_the_users_code_through_the_strict_api_server(cluster, launc
     launcher.launch(job, token="ubk_secret")
     c = cluster.get("jobs", "unbroken-7")["spec"]["template"]["spec"]["containers"][0]
     assert [kubelet_expand(a, {}) for a in c["command"]] == [*WRAPPER, "python", "-m", "trainer.launch"]
-    assert c["args"][c["args"].index("--entrypoint") + 1] == "pkg.train:main"
-    assert c["args"][-3:] == ["--", "--steps", "100"]
+    (spec_env,) = [e["value"] for e in c["env"] if e["name"] == ENV_SPEC]
+    spec = JobSpec.decode(kubelet_expand(spec_env, {}))
+    assert (spec.entrypoint, spec.args) == ("pkg.train:main", ("--steps", "100"))
     assert c["workingDir"] == "/app"
     assert {"name": "WANDB_MODE", "value": "offline"} in c["env"]
     assert "ubk_secret" not in json.dumps(c)
