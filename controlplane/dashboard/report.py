@@ -76,7 +76,7 @@ def _scale_figure(r: Report) -> dict | None:
     return {"data": traces, "layout": {
         **charts.BASE_LAYOUT, "height": 320, "margin": {"l": 60, "r": 20, "t": 20, "b": 50},
         "xaxis": {"title": {"text": "minutes of training between checkpoints"}},
-        "yaxis": {"title": {"text": "expected goodput (%)"}, "rangemode": "tozero"},
+        "yaxis": {"title": {"text": "expected goodput (%)"}},
         "shapes": [{"type": "line", "x0": s.interval_s / 60, "x1": s.interval_s / 60, "y0": 0, "y1": 1,
                     "yref": "paper", "line": {"dash": "dot", "color": "#888"}}]}}
 
