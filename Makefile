@@ -13,7 +13,7 @@ NVRX_NEXT := 0.6.0
 NVRX_NEXT_SITE := $(CURDIR)/.nvrx/$(NVRX_NEXT)/site
 NVRX_WHEEL_TAGS := --only-binary=:all: --platform manylinux_2_39_x86_64 --python-version 3.11 --implementation cp
 
-.PHONY: up install nvrx-next test test-nvrx-next test-fast bench-ingest bench-fleet bench-recovery bench-checkpoint bench-dashboard bench-sdk bench-chaos bench-straggler k8s-e2e clean
+.PHONY: up install nvrx-next test test-nvrx-next test-fast bench-ingest bench-fleet bench-recovery bench-checkpoint bench-dashboard bench-sdk bench-chaos bench-straggler bench-report k8s-e2e clean
 
 $(VENV)/.installed: requirements.lock trainer/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -86,6 +86,10 @@ bench-chaos: install $(DATA)/secret_key
 
 bench-straggler: install $(DATA)/secret_key
 	$(PY) tests/bench/bench_straggler.py
+
+# The resilience report's goodput projection against a measured run (docs/guides/resilience-report.md).
+bench-report: install $(DATA)/secret_key
+	$(PY) tests/bench/bench_report.py $(ARGS)
 
 k8s-e2e: install $(DATA)/secret_key
 	$(PY) -m pytest tests/k8s_e2e -m k8s_e2e -v
