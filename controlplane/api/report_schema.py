@@ -13,10 +13,14 @@ class ReportQuery(Struct, forbid_unknown_fields=True, kw_only=True):
     """The scale to project goodput at: a job size and a failure rate (``interruptions`` in ``days`` on
     ``on_gpus`` GPUs). The default is the Llama 3 report's: 419 in 54 days on 16,384 GPUs."""
 
-    gpus: Annotated[int, Meta(ge=1, le=10_000_000, description="GPUs of the job at scale")] = projection.LLAMA3.gpus
-    interruptions: Annotated[float, Meta(ge=0, description="failures seen ...")] = projection.LLAMA3.interruptions
-    days: Annotated[float, Meta(gt=0, description="... in this many days ...")] = projection.LLAMA3.days
-    on_gpus: Annotated[int, Meta(ge=1, description="... on this many GPUs")] = projection.LLAMA3.gpus
+    gpus: Annotated[int, Meta(ge=1, le=10_000_000, description="GPUs of the job at scale")] = (
+        projection.LLAMA3.gpus)
+    interruptions: Annotated[float, Meta(ge=0, le=1e9, description="failures seen ...")] = (
+        projection.LLAMA3.interruptions)
+    days: Annotated[float, Meta(gt=0, le=1e6, description="... in this many days ...")] = (
+        projection.LLAMA3.days)
+    on_gpus: Annotated[int, Meta(ge=1, le=100_000_000, description="... on this many GPUs")] = (
+        projection.LLAMA3.gpus)
 
     def rate(self) -> projection.FailureRate:
         r = projection.LLAMA3

@@ -149,7 +149,8 @@ def job_checks(request: HttpRequest, job_id: int) -> HttpResponse:
         run = drill_plan.start_resilience_check(job=job, plan=plan, requested_by=user,
                                                 remote_addr=request.META.get("REMOTE_ADDR"))
     return respond(Check(**plan.to_dict(), steps=est.steps, budget_s=est.total_s,
-                         drills=[CheckDrill(step=d.step, fault=d.fault, rank=d.rank) for d in run_spec.drills],
+                         drills=[CheckDrill(step=d.step, fault=d.fault, rank=d.rank)
+                                 for d in run_spec.drills],
                          run=run.pk if run else None, run_url=render.links(run).self if run else None),
                    201 if run else 200)
 

@@ -37,7 +37,8 @@ def _phase_figure(r: Report) -> dict:
         {"type": "bar", "name": stat, "x": [p.name.replace("_", " ") for p in phases],
          "y": [getattr(p, f"{stat}_s") for p in phases], "marker": {"color": colour}}
         for stat, colour in (("p50", "#1f77b4"), ("p95", "#aec7e8"))
-    ], "layout": {**charts.BASE_LAYOUT, "barmode": "group", "height": 280, "margin": {"l": 60, "r": 20, "t": 20, "b": 40},
+    ], "layout": {**charts.BASE_LAYOUT, "barmode": "group", "height": 280,
+                  "margin": {"l": 60, "r": 20, "t": 20, "b": 40},
                   "yaxis": {"title": {"text": "seconds"}, "rangemode": "tozero"}}}
 
 
@@ -48,7 +49,8 @@ def _save_figure(r: Report) -> dict:
         if not rows:
             continue
         x = [s.step for s in rows]
-        traces.append({"type": "bar", "name": f"{mode}: blocked", "x": x, "y": [s.blocking_s or 0 for s in rows]})
+        traces.append({"type": "bar", "name": f"{mode}: blocked", "x": x,
+                       "y": [s.blocking_s or 0 for s in rows]})
         traces.append({"type": "bar", "name": f"{mode}: slower steps", "x": x,
                        "y": [s.interference_s or 0 for s in rows]})
     return {"data": traces, "layout": {**charts.BASE_LAYOUT, "barmode": "stack", "height": 260,
@@ -70,7 +72,8 @@ def _scale_figure(r: Report) -> dict | None:
                        "y": [100 * projection.goodput(interval_s=v, save_cost_s=s.save_cost_s, rate_per_s=lam,
                                                       recovery_s=x.recovery_s) for v in xs]})
         if x.best_interval_s is not None:
-            traces.append({"type": "scatter", "mode": "markers", "name": f"best: every {x.best_interval_steps} steps",
+            traces.append({"type": "scatter", "mode": "markers",
+                           "name": f"best: every {x.best_interval_steps} steps",
                            "x": [x.best_interval_steps * s.step_time_s / 60], "y": [100 * x.goodput_best],
                            "marker": {"size": 10, "symbol": "diamond"}})
     return {"data": traces, "layout": {
@@ -86,8 +89,10 @@ def context(r: Report, *, base_url: str = "") -> dict:
     def link(path: str) -> str:
         return f"{base_url}{path}" if path else ""
 
-    classes = [{"row": c, "name": "operator restart (no fault)" if c.fault_class == OPERATOR else c.fault_class,
-                "layers": ", ".join(f"{charts.LAYER_NAMES.get(k, k)} × {n}" for k, n in c.layers.items()) or "–",
+    classes = [{"row": c,
+                "name": "operator restart (no fault)" if c.fault_class == OPERATOR else c.fault_class,
+                "layers": ", ".join(f"{charts.LAYER_NAMES.get(k, k)} × {n}" for k, n in c.layers.items())
+                or "–",
                 "detection": (charts.fmt_s(c.detection.p50_s), charts.fmt_s(c.detection.p95_s)),
                 "recovery": (charts.fmt_s(c.recovery.p50_s), charts.fmt_s(c.recovery.p95_s)),
                 "faults_link": link(c.links["faults"]), "cycles_link": link(c.links["cycles"]),
@@ -118,8 +123,8 @@ def context(r: Report, *, base_url: str = "") -> dict:
 def report_page(request, job_id: int):
     job = get_object_or_404(Job, pk=job_id)
     r = build_report(job)
-    return render(request, "dashboard/report.html", {**context(r), "job": job, "plotly_version": PLOTLY_VERSION,
-                                                     "is_operator": is_operator(request.user)})
+    return render(request, "dashboard/report.html", {
+        **context(r), "job": job, "plotly_version": PLOTLY_VERSION, "is_operator": is_operator(request.user)})
 
 
 def standalone_html(r: Report, *, base_url: str = "") -> str:

@@ -40,8 +40,8 @@ MAX_DRILLS = 64
 DEFAULT_RECOVERY_S = {"exception": 5.0, "nan_loss": 5.0, "sigkill": 15.0, "killed_during_save": 20.0}
 DEFAULT_STEP_S = 0.25  # the tiny preset on a laptop CPU
 DEFAULT_STARTUP_S = 20.0
-FAULT_CLASS = {"exception": "exception", "hang": "hang", "hang_collective": "hang", "sigkill": "process_killed",
-               "killed_during_save": "process_killed", "nan_loss": "nan_loss"}
+FAULT_CLASS = {"exception": "exception", "hang": "hang", "hang_collective": "hang",
+               "sigkill": "process_killed", "killed_during_save": "process_killed", "nan_loss": "nan_loss"}
 
 
 class PlanError(ValueError):

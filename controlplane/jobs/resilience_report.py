@@ -44,7 +44,8 @@ NOT_AT_LEVEL0 = (
      "the in-process layer needs a re-entrant entrypoint",
      "@unbroken.entrypoint\ndef train(ctx: unbroken.Context): ctx.init_process_group() ..."),
     ("killed_during_save", "the product cannot tell an interrupted save from a finished one",
-     "start = ctx.checkpoint.restore(model=model, optim=optimizer)  ...  ctx.checkpoint.maybe_save(step + 1)"),
+     "start = ctx.checkpoint.restore(model=model, optim=optimizer)\n"
+     "...\nctx.checkpoint.maybe_save(step + 1)"),
     ("in_process restarts", "every failure restarts the processes (seconds of imports and process-group "
      "setup each time)", "@unbroken.entrypoint  (and in_process: true in the job's spec)"),
 )
@@ -237,11 +238,13 @@ def build_report(job: Job, *, now: datetime | None = None, gpus: int = projectio
     return Report(
         job=job.pk, name=job.name, status=job.status, level=level, generated_at=now, classes=classes,
         supported=supported, missing=[c for c in supported if _met_name(c) not in met],
-        uncovered=[ReportUncovered(fault_class=c, why=w, sdk=s) for c, w, s in NOT_AT_LEVEL0] if level < 2 else [],
+        uncovered=[ReportUncovered(fault_class=c, why=w, sdk=s) for c, w, s in NOT_AT_LEVEL0]
+        if level < 2 else [],
         recovery=recovery, lost=_lost(job, cycles), saves=saves, goodput=g,
         at_scale=_at_scale(job, cycles, saves, g, gpus=gpus, rate=rate),
-        links={"job": _api(job), "page": reverse("dashboard:job", args=[job.pk]), "cycles": _api(job, "/cycles"),
-               "faults": _api(job, "/faults"), "checkpoints": _api(job, "/checkpoints"),
+        links={"job": _api(job), "page": reverse("dashboard:job", args=[job.pk]),
+               "cycles": _api(job, "/cycles"), "faults": _api(job, "/faults"),
+               "checkpoints": _api(job, "/checkpoints"),
                "goodput": _api(job, "/goodput"), "report": _api(job, "/report")},
     )
 
@@ -309,8 +312,8 @@ def _recovery(job, cycles: list[RestartCycle]) -> ReportRecovery:
         if d.get("reload") is not None and c.recovery_s:
             reload_s += d["reload"]
             total_s += c.recovery_s
-    phases = [ReportPhase(name=n, n=len(v), p50_s=nearest_rank(v, 50), p95_s=nearest_rank(v, 95), total_s=sum(v))
-              for n in PHASES if (v := phase_values[n])]
+    phases = [ReportPhase(name=n, n=len(v), p50_s=nearest_rank(v, 50), p95_s=nearest_rank(v, 95),
+                          total_s=sum(v)) for n in PHASES if (v := phase_values[n])]
     by_layer = []
     for layer in (Layer.IN_PROCESS, Layer.IN_JOB, Layer.JOB, Layer.NONE):
         mine = [c for c in cycles if c.layer == layer]
@@ -343,7 +346,8 @@ def _saves(job) -> ReportSaves:
         blocking = c.blocking_s
         if blocking is None and c.mode == CheckpointMode.SYNC and c.finished_at is not None:
             blocking = (c.finished_at - c.started_at).total_seconds()  # goodput's rule: a sync save blocks
-        cost = None if blocking is None and c.interference_s is None else (blocking or 0) + (c.interference_s or 0)
+        cost = (None if blocking is None and c.interference_s is None
+                else (blocking or 0) + (c.interference_s or 0))
         rows.append(ReportSave(id=c.pk, step=c.step, mode=c.mode, state=c.state, blocking_s=blocking,
                             interference_s=c.interference_s, cost_s=cost))
         if c.state == CheckpointState.DURABLE and cost is not None and c.mode in costs:
@@ -353,20 +357,22 @@ def _saves(job) -> ReportSaves:
     mine = costs.get((job.spec or {}).get("checkpoint_mode", "async")) or costs[CheckpointMode.ASYNC] or \
         costs[CheckpointMode.SYNC]
     return ReportSaves(rows=rows, async_cost=percentiles(costs[CheckpointMode.ASYNC]),
-                 sync_cost=percentiles(costs[CheckpointMode.SYNC]), cheaper=advice.cheaper if advice else None,
+                 sync_cost=percentiles(costs[CheckpointMode.SYNC]),
+                 cheaper=advice.cheaper if advice else None,
                  save_cost_s=statistics.median(mine) if mine else None,
                  links={"checkpoints": _api(job, "/checkpoints")})
 
 
 def step_time(job: Job) -> float | None:
-    times = list(TrainingSample.objects.filter(job=job, step_time_s__gt=0).values_list("step_time_s", flat=True)
-                 .order_by("-at")[:2000])
+    samples = TrainingSample.objects.filter(job=job, step_time_s__gt=0)
+    times = list(samples.order_by("-at").values_list("step_time_s", flat=True)[:2000])
     if not times:
         times = list(job.ranks.filter(step_time_s__gt=0).values_list("step_time_s", flat=True))
     return statistics.median(times) if times else None
 
 
-def _at_scale(job, cycles, saves: ReportSaves, g: dict, *, gpus: int, rate: projection.FailureRate) -> ReportAtScale | None:
+def _at_scale(job, cycles, saves: ReportSaves, g: dict, *, gpus: int,
+              rate: projection.FailureRate) -> ReportAtScale | None:
     step = step_time(job)
     if step is None:
         return None
@@ -399,8 +405,9 @@ def _at_scale(job, cycles, saves: ReportSaves, g: dict, *, gpus: int, rate: proj
     p = projection.project(gpus=gpus, rate=rate, step_time_s=step, interval_steps=interval,
                            save_cost_s=save_cost, recoveries=scenarios)
     return ReportAtScale(
-        gpus=gpus, interruptions=rate.interruptions, days=rate.days, on_gpus=rate.gpus, rate_source=rate.source,
-        rate_url=rate.url, mtbf_s=p.mtbf_s, step_time_s=step, interval_steps=interval, interval_s=p.interval_s,
+        gpus=gpus, interruptions=rate.interruptions, days=rate.days, on_gpus=rate.gpus,
+        rate_source=rate.source, rate_url=rate.url, mtbf_s=p.mtbf_s, step_time_s=step,
+        interval_steps=interval, interval_s=p.interval_s,
         save_cost_s=save_cost,
         scenarios=[ReportScenario(name=s.name, recovery_s=s.recovery_s, recovery_source=sources[s.name],
                             goodput_now=s.goodput_now, best_interval_s=s.best_interval_s,

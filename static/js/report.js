@@ -3,7 +3,8 @@
 (function () {
   "use strict";
   const CONFIG = {
-    responsive: true, displaylogo: false, showSendToCloud: false, showEditInChartStudio: false, showLink: false,
+    responsive: true, displaylogo: false, showSendToCloud: false, showEditInChartStudio: false,
+    showLink: false,
     plotlyServerURL: "", linkText: "", modeBarButtonsToRemove: ["sendDataToCloud", "editInChartStudio"],
   };
   function drawAll() {

@@ -66,7 +66,8 @@ def log(msg: str) -> None:
 def start_server() -> tuple[subprocess.Popen, str]:
     port = free_port()
     proc = subprocess.Popen([sys.executable, "manage.py", "runserver", "--noreload", f"127.0.0.1:{port}"],
-                            cwd=ROOT, env=dict(os.environ), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            cwd=ROOT, env=dict(os.environ), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL,
                             start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     for _ in range(120):
@@ -123,7 +124,8 @@ def main() -> int:
     ap.add_argument("--faults", type=int, default=10)
     ap.add_argument("--steps-per-fault", type=int, default=60)
     ap.add_argument("--seed", type=int, default=7)
-    ap.add_argument("--repeats", type=int, default=1, help="the drill plan's repeats (each class 2x per repeat)")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="the drill plan's repeats (each class 2x per repeat)")
     ap.add_argument("--plan-faults", default="", help="a shorter plan: these classes only (comma-separated)")
     a = ap.parse_args()
     call_command("migrate", verbosity=0)
@@ -146,8 +148,8 @@ def main() -> int:
         s = r.at_scale
         rec = s.scenarios[0].recovery_s
         fixed = r.goodput["startup_s"] + r.goodput["idle_s"]
-        drills, steps = poisson_drills(a.faults, steps_per_fault=a.steps_per_fault, interval=base.checkpoint_interval,
-                                       world=base.world_size, seed=a.seed)
+        drills, steps = poisson_drills(a.faults, steps_per_fault=a.steps_per_fault,
+                                       interval=base.checkpoint_interval, world=base.world_size, seed=a.seed)
         import dataclasses
 
         measured_spec = dataclasses.replace(base, drills=drills, steps=steps)

@@ -4,7 +4,6 @@ job of 100 cycles."""
 
 from __future__ import annotations
 
-import math
 import time
 from datetime import timedelta
 
@@ -15,6 +14,7 @@ from controlplane.jobs.models import Checkpoint, Fault, RestartCycle, TrainingSa
 from controlplane.jobs.resilience_report import build_report
 from tests.controlplane.api import drill
 from tests.controlplane.api.conformance import conforms
+from tests.controlplane.api.report_checks import assert_report_matches_api, nearest
 
 pytestmark = pytest.mark.django_db
 DOC = "/api/v1/operator/openapi.json"
@@ -36,9 +36,6 @@ def api(client):
     return get
 
 
-def _nearest(values, p):
-    s = sorted(values)
-    return s[max(0, math.ceil(p / 100 * len(s)) - 1)] if s else None
 
 
 def test_it_equals_the_apis_cycles_and_faults(api, post, settle):
@@ -55,15 +52,16 @@ def test_it_equals_the_apis_cycles_and_faults(api, post, settle):
         assert sorted(row["cycles"]) == keys
         assert row["layers"] == {cycles[k]["layer"]: 1 for k in keys}
         assert row["recovered"] == len(keys) and row["not_recovered"] == 0
-        assert row["recovery"]["p50_s"] == _nearest([cycles[k]["recovery_s"] for k in keys], 50)
-        assert row["detection"]["p95_s"] == _nearest([cycles[k]["detection_s"] for k in keys], 95)
+        assert row["recovery"]["p50_s"] == nearest([cycles[k]["recovery_s"] for k in keys], 50)
+        assert row["detection"]["p95_s"] == nearest([cycles[k]["detection_s"] for k in keys], 95)
         assert row["links"]["faults"] == f"/api/v1/jobs/{job.pk}/faults?fault_class={name}"
     rec = report["recovery"]
-    assert rec["recovery"]["p95_s"] == _nearest([c["recovery_s"] for c in cycles.values()], 95)
+    assert rec["recovery"]["p95_s"] == nearest([c["recovery_s"] for c in cycles.values()], 95)
     reload = {p["name"]: p for p in rec["phases"]}["reload"]
-    assert reload["p50_s"] == _nearest([c["durations"]["reload"] for c in cycles.values()], 50)
+    assert reload["p50_s"] == nearest([c["durations"]["reload"] for c in cycles.values()], 50)
     total = sum(c["recovery_s"] for c in cycles.values())
-    assert rec["reload_share"] == pytest.approx(sum(c["durations"]["reload"] for c in cycles.values()) / total)
+    reloads = sum(c["durations"]["reload"] for c in cycles.values())
+    assert rec["reload_share"] == pytest.approx(reloads / total)
     # Steps lost: the cycles' own; goodput: the API's.
     assert {r["cycle"]: r["lost_steps"] for r in report["lost"]["rows"]} == {
         k: c["lost_steps"] for k, c in cycles.items()}
@@ -77,12 +75,14 @@ def test_it_equals_the_apis_cycles_and_faults(api, post, settle):
     # The built-in model is Level 2: nothing it cannot cover; hangs, NaN and a kill in a save not met yet.
     assert report["level"] == 2 and report["uncovered"] == []
     assert set(report["missing"]) == {"hang", "nan_loss", "hang_collective"}
+    assert assert_report_matches_api(api, job.pk)["classes"] == report["classes"]
 
 
 def test_it_projects_goodput_at_the_scale_asked(api, post, settle):
     job = drill.build(post, settle, user=api.user)
     default = api(f"/api/v1/jobs/{job.pk}/report")["at_scale"]
-    assert default["gpus"] == 16384 and default["interruptions"] == 419 and "Llama 3" in default["rate_source"]
+    assert default["gpus"] == 16384 and default["interruptions"] == 419
+    assert "Llama 3" in default["rate_source"]
     assert default["step_time_s"] == 0.5 and default["interval_steps"] == 20
     layers, job_only = default["scenarios"]
     assert layers["name"] == "with this job's layers" and job_only["name"] == "job-level restarts only"
@@ -117,8 +117,9 @@ def _hundred_cycles(job, now):
     RestartCycle.objects.bulk_create(cycles)
     ids = dict(RestartCycle.objects.filter(job=job).values_list("key", "id"))
     Fault.objects.bulk_create([
-        Fault(job=job, cycle_id=ids[f"c{i}"], fault_class=("exception", "hang", "process_killed")[i % 3], rank=i % 2,
-              detected_by="test", at=t0 + timedelta(seconds=60 * i), detected_at=t0 + timedelta(seconds=60 * i + 1),
+        Fault(job=job, cycle_id=ids[f"c{i}"], fault_class=("exception", "hang", "process_killed")[i % 3],
+              rank=i % 2, detected_by="test", at=t0 + timedelta(seconds=60 * i),
+              detected_at=t0 + timedelta(seconds=60 * i + 1),
               source_key=f"f{i}") for i in range(100)])
     Checkpoint.objects.bulk_create([
         Checkpoint(job=job, step=20 * i, state="durable", started_at=t0 + timedelta(seconds=12 * i),

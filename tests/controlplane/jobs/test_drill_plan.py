@@ -25,7 +25,8 @@ def test_it_covers_every_class_the_level_supports_twice():
         per_fault.setdefault(d.fault, []).append(d.rank)
     # killed_during_save is a sigkill while a save is in flight: sigkill four times in all.
     assert {f: sorted(r) for f, r in per_fault.items()} == {
-        "exception": [0, 1], "hang": [0, 1], "sigkill": [0, 0, 1, 1], "nan_loss": [0, 1], "hang_collective": [0, 1]}
+        "exception": [0, 1], "hang": [0, 1], "sigkill": [0, 0, 1, 1], "nan_loss": [0, 1],
+        "hang_collective": [0, 1]}
     interval = DEMO_SPEC.checkpoint_interval
     gaps = [b.step - a.step for a, b in zip(drills, drills[1:], strict=False)]
     assert min(gaps) >= interval  # each recovery is over before the next drill
@@ -38,8 +39,8 @@ def test_it_covers_every_class_the_level_supports_twice():
 def test_it_keeps_an_own_script_to_what_level_0_can_drill():
     assert drill_plan.supported_faults(PLAIN) == ("exception", "hang", "sigkill")
     spec = drill_plan.plan_spec(PLAIN, drill_plan.default_plan(PLAIN))
-    assert (spec.entrypoint, spec.args, spec.env, spec.in_process) == (PLAIN.entrypoint, PLAIN.args, PLAIN.env,
-                                                                      PLAIN.in_process)
+    same = ("entrypoint", "args", "env", "in_process", "working_dir")
+    assert [getattr(spec, k) for k in same] == [getattr(PLAIN, k) for k in same]
     assert len(spec.drills) == 6
     with pytest.raises(drill_plan.PlanError, match="nan_loss: not at this job's integration level"):
         drill_plan.schedule(PLAIN, drill_plan.Plan(faults=("nan_loss",)))
@@ -81,8 +82,8 @@ def test_it_starts_a_tagged_run_from_the_api(django_capture_on_commit_callbacks)
     bad = c.post(url, {"faults": ["meteor"]}, content_type="application/json", **_basic("op"))
     assert bad.status_code == 422 and "faults" in bad.json()["fields"]
     with django_capture_on_commit_callbacks(execute=False):
-        resp = c.post(url, {"faults": ["exception", "sigkill"], "repeats": 2}, content_type="application/json",
-                      **_basic("op"))
+        resp = c.post(url, {"faults": ["exception", "sigkill"], "repeats": 2},
+                      content_type="application/json", **_basic("op"))
     assert resp.status_code == 201, resp.content
     run = Job.objects.get(pk=resp.json()["run"])
     assert run.spec["preset"] == DEMO_SPEC.preset and len(run.spec["drills"]) == 8
@@ -102,8 +103,9 @@ def test_it_starts_one_from_the_job_page_with_csrf(django_capture_on_commit_call
     assert c.post(f"/jobs/{job.pk}/check/", {"start": "1"}).status_code == 403  # no CSRF token
     token = form.cookies["csrftoken"].value if "csrftoken" in form.cookies else c.cookies["csrftoken"].value
     with django_capture_on_commit_callbacks(execute=False):
-        resp = c.post(f"/jobs/{job.pk}/check/", {"start": "1", "csrfmiddlewaretoken": token, "faults": ["hang"],
-                                                 "placements": ["mid_interval"], "ranks": ["first"], "repeats": "1"})
+        resp = c.post(f"/jobs/{job.pk}/check/", {
+            "start": "1", "csrfmiddlewaretoken": token, "faults": ["hang"], "placements": ["mid_interval"],
+            "ranks": ["first"], "repeats": "1"})
     assert resp.status_code == 302
     run = Job.objects.exclude(pk=job.pk).get()
     assert resp["Location"] == f"/jobs/{run.pk}/"

@@ -1,11 +1,12 @@
-"""The goodput projection (``jobs/projection.py``) is a pure function: its properties over generated figures."""
+"""The goodput projection (``jobs/projection.py``) is a pure function: its properties over generated
+figures."""
 
 from __future__ import annotations
 
 import math
 
 import pytest
-from hypothesis import given
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from controlplane.jobs import projection as p
@@ -14,14 +15,18 @@ interval = st.floats(min_value=0.5, max_value=1e5)
 cost = st.floats(min_value=0.0, max_value=1e3)
 rate = st.floats(min_value=1e-9, max_value=1e-3)
 recovery = st.floats(min_value=0.0, max_value=600.0)
+# A loaded machine must not fail a property for generating slowly.
+relaxed = settings(deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
+@relaxed
 @given(interval, cost, recovery)
 def test_it_charges_only_the_checkpoints_when_nothing_fails(i, c, r):
     g = p.goodput(interval_s=i, save_cost_s=c, rate_per_s=0.0, recovery_s=r)
     assert g == pytest.approx(1 - c / (i + c), rel=1e-12, abs=1e-12)
 
 
+@relaxed
 @given(interval, cost, rate, rate, recovery)
 def test_it_falls_as_the_failure_rate_rises(i, c, a, b, r):
     lo, hi = sorted((a, b))
@@ -32,6 +37,7 @@ def test_it_falls_as_the_failure_rate_rises(i, c, a, b, r):
         assert g_hi < g_lo
 
 
+@relaxed
 @given(cost.filter(lambda c: c > 1e-3), rate, recovery, st.floats(min_value=0.05, max_value=20.0))
 def test_it_finds_the_interval_that_maximises_the_model(c, lam, r, factor):
     best = p.optimum_interval_s(save_cost_s=c, rate_per_s=lam, recovery_s=r)
@@ -44,6 +50,7 @@ def test_it_finds_the_interval_that_maximises_the_model(c, lam, r, factor):
     assert g_best >= g_other - 1e-12
 
 
+@relaxed
 @given(cost.filter(lambda c: c > 1e-3), rate)
 def test_it_agrees_with_young_when_recovery_is_free(c, lam):
     best = p.optimum_interval_s(save_cost_s=c, rate_per_s=lam, recovery_s=0.0)
@@ -79,6 +86,7 @@ def test_it_refuses_a_meaningless_rate():
         p.FailureRate(interruptions=1, days=0, gpus=8)
 
 
+@relaxed
 @given(st.floats(min_value=1, max_value=1e5), st.floats(min_value=0, max_value=100), interval, cost, rate,
        recovery)
 def test_it_charges_a_finite_run_its_startup(work, startup, i, c, lam, r):

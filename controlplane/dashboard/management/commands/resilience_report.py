@@ -21,14 +21,16 @@ class Command(BaseCommand):
 
     def add_arguments(self, parser):
         parser.add_argument("job", type=int, help="the job's id")
-        parser.add_argument("--out", required=True, help="the file to write (report.html, or .json with --json)")
+        parser.add_argument("--out", required=True,
+                            help="the file to write (report.html, or .json with --json)")
         parser.add_argument("--json", action="store_true", help="write the API's JSON document instead")
         parser.add_argument("--gpus", type=int, default=projection.LLAMA3.gpus,
                             help="GPUs to project goodput at (default: %(default)s)")
         parser.add_argument("--rate", default="", metavar="N/DAYS/GPUS",
                             help="failure rate: N interruptions in DAYS days on GPUS GPUs "
                                  "(default: Llama 3's 419/54/16384)")
-        parser.add_argument("--base-url", default="", help="prefix for the file's links, e.g. https://unbroken.example")
+        parser.add_argument("--base-url", default="",
+                            help="prefix for the file's links, e.g. https://unbroken.example")
 
     def handle(self, *args, job: int, out: str, gpus: int, rate: str, base_url: str, **options):
         the_job = Job.objects.filter(pk=job).first()
@@ -38,7 +40,10 @@ class Command(BaseCommand):
             raise CommandError("--gpus must be at least 1")
         t0 = time.perf_counter()
         report = build_report(the_job, gpus=gpus, rate=_rate(rate))
-        text = msgspec.json.encode(report) if options["json"] else standalone_html(report, base_url=base_url).encode()
+        if options["json"]:
+            text = msgspec.json.encode(report)
+        else:
+            text = standalone_html(report, base_url=base_url).encode()
         Path(out).write_bytes(text)
         self.stdout.write(f"wrote {out} ({len(text) / 1e6:.1f} MB) in {time.perf_counter() - t0:.2f} s")
 
