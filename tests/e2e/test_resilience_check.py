@@ -43,20 +43,22 @@ def _check(source: Job, timeout_s: float) -> tuple[Job, dict]:
     return run, report
 
 
+@pytest.mark.timeout(1500)  # six drills over 300 steps: ~10 min on a quiet 2-core machine
 def test_the_default_plan_checks_an_unmodified_script(e2e_settings, celery_beat_thread, tmp_path):
     spec = JobSpec.from_dict({"entrypoint": str(EXAMPLES / "plain_fsdp.py"), "args": ["--steps", "300"],
                               "working_dir": str(tmp_path), "steps": 300, "step_timeout_s": 5.0,
                               "stall_timeout_s": 60.0, "heartbeat_interval_s": 0.5})
     source = services.create_job(name="own code", spec=spec, created_by=None, launch=False)
-    run, report = _check(source, timeout_s=600)
+    run, report = _check(source, timeout_s=1400)
     assert run.status == JobStatus.SUCCEEDED, run.status_reason
     assert report["level"] == 0 and [u["fault_class"] for u in report["uncovered"]][:1] == ["nan_loss"]
     assert report["missing"] == []  # exception, hang and a kill, each met
     assert sum(r["recovered"] for r in report["classes"]) >= 6
 
 
+@pytest.mark.timeout(2400)  # twelve drills over 501 steps (make bench-report runs the same plan)
 def test_the_default_plan_checks_the_demo(e2e_settings, celery_beat_thread):
     source = services.create_job(name="demo", spec=DEMO_SPEC, created_by=None, launch=False)
-    run, report = _check(source, timeout_s=900)
+    run, report = _check(source, timeout_s=2300)
     assert run.status == JobStatus.SUCCEEDED, run.status_reason
     assert report["level"] == 2 and report["missing"] == []
