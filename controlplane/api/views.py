@@ -131,7 +131,10 @@ def job_checks(request: HttpRequest, job_id: int) -> HttpResponse:
     user = authorise(request, act=True)
     job = job_or_404(job_id)
     data = body(request, CheckCreate)
-    spec = job.job_spec
+    try:
+        spec = job.job_spec
+    except SpecError as e:
+        return error(409, f"this job's stored spec no longer validates, so it cannot be run again: {e}")
     default = drill_plan.default_plan(spec)
     plan = drill_plan.Plan(faults=tuple(data.faults or default.faults),
                            placements=tuple(data.placements or default.placements),
