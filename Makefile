@@ -17,7 +17,7 @@ NVRX_THIRD := 0.7.0
 NVRX_THIRD_SITE := $(CURDIR)/.nvrx/$(NVRX_THIRD)/site
 NVRX_THIRD_TAGS := --only-binary=:all: --platform manylinux_2_39_x86_64 --python-version 3.12 --implementation cp
 
-.PHONY: up install nvrx-next nvrx-third test test-nvrx-next test-nvrx-third test-fast bench-ingest bench-fleet bench-recovery bench-checkpoint bench-dashboard bench-sdk bench-chaos bench-straggler bench-attribution k8s-e2e docs docs-serve clean
+.PHONY: up install nvrx-next nvrx-third test test-nvrx-next test-nvrx-third test-fast bench-ingest bench-fleet bench-recovery bench-checkpoint bench-dashboard bench-sdk bench-chaos bench-straggler bench-attribution bench-report k8s-e2e docs docs-serve clean
 
 $(VENV)/.installed: requirements.lock trainer/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -125,6 +125,10 @@ docs: install $(VENV)/.docs-installed
 
 docs-serve: install $(VENV)/.docs-installed
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs serve --dev-addr 127.0.0.1:8001
+
+# The resilience report's goodput projection against a measured run (docs/guides/resilience-report.md).
+bench-report: install $(DATA)/secret_key
+	$(PY) tests/bench/bench_report.py $(ARGS)
 
 k8s-e2e: install $(DATA)/secret_key
 	$(PY) -m pytest tests/k8s_e2e -m k8s_e2e -v

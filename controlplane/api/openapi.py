@@ -12,6 +12,8 @@ from functools import cache
 import msgspec
 
 from controlplane.api import schema as s
+from controlplane.api.report_schema import Check, CheckCreate, ReportQuery
+from controlplane.jobs.resilience_report import Report
 from controlplane.jobs.spec import JobSpec
 
 REF = "#/components/schemas/{name}"
@@ -43,6 +45,11 @@ ROUTES = (
           query=s.NoQuery, errors=READ),
     Route(JOB + "/goodput", "get", "getGoodput", "Where the job's wall time went", s.Goodput, query=s.NoQuery,
           errors=READ),
+    Route(JOB + "/report", "get", "getReport", "The job's resilience report, with goodput projected at scale",
+          Report, query=ReportQuery, errors=READ),
+    Route(JOB + "/resilience-checks", "post", "startResilienceCheck",
+          "Run the job's spec again with a drill plan (operators; dry_run: the plan and its budget only)",
+          Check, 201, body=CheckCreate, errors=WRITE),
     Route(JOB + "/ranks", "get", "listRanks", "Ranks by rank number, with their health now", s.RankList,
           query=s.RanksQuery, errors=READ),
     Route(JOB + "/faults", "get", "listFaults", "Faults with their evidence, in the order recorded",

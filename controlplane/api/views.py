@@ -19,6 +19,7 @@ from django.views.decorators.csrf import csrf_exempt
 
 from controlplane.api import openapi as doc
 from controlplane.api import render, schema
+from controlplane.api.report_schema import Check, CheckCreate, CheckDrill, ReportQuery
 from controlplane.api.http import (
     Refused,
     authorise,
@@ -30,7 +31,7 @@ from controlplane.api.http import (
     query,
     respond,
 )
-from controlplane.jobs import evidence, figures, services
+from controlplane.jobs import drill_plan, evidence, figures, resilience_report, services
 from controlplane.jobs.models import (
     AuditEntry,
     Checkpoint,
@@ -117,6 +118,47 @@ def job_goodput(request: HttpRequest, job_id: int) -> HttpResponse:
     authorise(request, act=False)
     query(request, schema.NoQuery)
     return respond(render.goodput(job_or_404(job_id), timezone.now()))
+
+
+@api_view("GET")
+def job_report(request: HttpRequest, job_id: int) -> HttpResponse:
+    """The job's resilience report (``jobs/resilience_report.py``): the page's and the HTML file's figures."""
+    authorise(request, act=False)
+    q = query(request, ReportQuery)
+    return respond(resilience_report.build_report(job_or_404(job_id), gpus=q.gpus, rate=q.rate()))
+
+
+@api_view("POST")
+def job_checks(request: HttpRequest, job_id: int) -> HttpResponse:
+    """Start a resilience check of the job (operators): its spec with a drill plan (``jobs.drill_plan``)."""
+    user = authorise(request, act=True)
+    job = job_or_404(job_id)
+    data = body(request, CheckCreate)
+    try:
+        spec = job.job_spec
+    except SpecError as e:
+        return error(409, f"this job's stored spec no longer validates, so it cannot be run again: {e}")
+    default = drill_plan.default_plan(spec)
+    plan = drill_plan.Plan(faults=tuple(data.faults or default.faults),
+                           placements=tuple(data.placements or default.placements),
+                           ranks=tuple(data.ranks or default.ranks), repeats=data.repeats)
+    try:
+        run_spec = drill_plan.plan_spec(spec, plan)
+        est = drill_plan.budget(job, spec, plan)
+    except drill_plan.PlanError as e:
+        return error(422, str(e), fields=e.errors)
+    run = None
+    if not data.dry_run:
+        problems = launch_services.preflight(spec=run_spec)
+        if problems:
+            return error(422, "cannot launch: " + "; ".join(problems), preflight=problems)
+        run = drill_plan.start_resilience_check(job=job, plan=plan, requested_by=user,
+                                                remote_addr=request.META.get("REMOTE_ADDR"))
+    return respond(Check(**plan.to_dict(), steps=est.steps, budget_s=est.total_s,
+                         drills=[CheckDrill(step=d.step, fault=d.fault, rank=d.rank)
+                                 for d in run_spec.drills],
+                         run=run.pk if run else None, run_url=render.links(run).self if run else None),
+                   201 if run else 200)
 
 
 @api_view("GET")

@@ -71,7 +71,7 @@ def test_it_answers_a_schema_driven_fuzzer_over_every_read(client, post, settle)
     with _connection_kept():
         api = schemathesis.openapi.from_wsgi(DOC, application)
         reads = [op.ok() for op in api.get_all_operations() if op.ok().method.upper() == "GET"]
-        assert len(reads) == sum(r.method == "get" for r in openapi.ROUTES) == 13
+        assert len(reads) == sum(r.method == "get" for r in openapi.ROUTES) == 14
         for op in reads:
             _fuzz(op, job, cookie)
 
