@@ -22,6 +22,8 @@ import dataclasses
 import statistics
 from dataclasses import dataclass
 
+import msgspec
+
 from django.db import transaction
 
 from controlplane.jobs import services
@@ -174,7 +176,9 @@ def plan_spec(spec: JobSpec, plan: Plan) -> JobSpec:
     # An own script runs as long as its own arguments say; the spec's steps are its progress bar.
     steps = max(steps, spec.steps) if spec.entrypoint else steps
     try:
-        return dataclasses.replace(spec, drills=drills, steps=steps)
+        data = spec.to_dict()  # validated again as a whole: the drills against the job's ranks and steps
+        data.update(drills=[msgspec.to_builtins(d) for d in drills], steps=steps)
+        return JobSpec.from_dict(data)
     except SpecError as e:
         raise PlanError(e.errors) from None
 

@@ -97,7 +97,8 @@ def test_it_checks_a_module_or_function_entrypoint_imports_at_preflight(send, tm
 
 
 def test_it_answers_a_schema_driven_fuzzer_over_the_writes_without_a_5xx(client, settings):
-    """Negative and positive cases over POST /jobs and /commands: every answer is JSON and below 500."""
+    """Negative and positive cases over every POST (jobs, commands, resilience checks): every answer is JSON
+    and below 500."""
     from controlplane.wsgi import application
 
     settings.PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]  # Basic hashes per request
@@ -107,7 +108,7 @@ def test_it_answers_a_schema_driven_fuzzer_over_the_writes_without_a_5xx(client,
     with _connection_kept():
         api = schemathesis.openapi.from_wsgi(DOC, application)
         writes = [op.ok() for op in api.get_all_operations() if op.ok().method.upper() == "POST"]
-        assert len(writes) == 2
+        assert len(writes) == 3  # jobs, commands, resilience checks
         for op in writes:
             for mode in (schemathesis.GenerationMode.NEGATIVE, schemathesis.GenerationMode.POSITIVE):
                 params = {"job_id": job.pk} if "{job_id}" in op.path else {}

@@ -53,7 +53,7 @@ def test_the_reference_rows_and_the_openapi_document_agree():
 
 def test_a_row_says_what_the_field_is():
     rows = {r.name: r for r in reference_rows()}
-    assert rows["step_timeout_s"].default == "30.0" and rows["step_timeout_s"].bounds == ">= 0.1"
+    assert rows["step_timeout_s"].default == "30.0" and rows["step_timeout_s"].bounds == ">= 0.1, <= 604800"
     assert rows["backend"].type == "local | kubernetes"
     assert rows["straggler_window_s"].bounds == ">= 1, <= 600"
     assert rows["kubernetes.image_pull_policy"].type == "Always | IfNotPresent | Never"
