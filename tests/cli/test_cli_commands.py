@@ -95,6 +95,9 @@ def test_its_json_is_the_operator_apis_types(operator_env):
     validate(json.loads(unbroken(operator_env, "logs", str(job.pk), "--json").stdout), "Log")
     human = unbroken(operator_env, "ls")
     assert f"{job.pk}" in human.stdout and "pending" in human.stdout and "0/50" in human.stdout
+    validate(json.loads(unbroken(operator_env, "report", str(job.pk), "--json").stdout), "Report")
+    report = unbroken(operator_env, "report", str(job.pk))
+    assert report.returncode == 0 and f"/jobs/{job.pk}/report/" in report.stdout and "saves:" in report.stdout, report
 
 
 def test_it_issues_commands_and_they_are_audited_as_the_tokens_user(operator_env):

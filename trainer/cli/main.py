@@ -420,5 +420,49 @@ def stop(job_id: int, as_json: bool) -> None:
     _command(job_id, {"kind": "stop"}, as_json)
 
 
+def _s(v: float | None) -> str:
+    return "–" if v is None else f"{v:.2f} s"
+
+
+@cli.command()
+@click.argument("job_id", metavar="JOB", type=JOB)
+@click.option("--gpus", type=click.IntRange(1, 10**7), help="project goodput at this many GPUs")
+@click.option("--json", "as_json", is_flag=True, help="the API's Report")
+def report(job_id: int, gpus: int | None, as_json: bool) -> None:
+    """The job's resilience report: which failures it survived, how fast, what saves cost, goodput at scale.
+
+    The page (its URL is printed) draws the same figures; `manage.py resilience_report JOB --out FILE`
+    writes them as one self-contained HTML file."""
+    client = _client()
+    r = client.get(f"/jobs/{job_id}/report", **({"gpus": gpus} if gpus else {}))
+    if as_json:
+        _json(r)
+        return
+    console.print(f"[bold]job {r['job']}[/] {escape(r['name'])}: {r['status']} · level {r['level']}")
+    console.print(f"  {client.base}/jobs/{r['job']}/report/")
+    for c in r["classes"]:
+        layers = ", ".join(f"{k} {v}" for k, v in c["layers"].items()) or "–"
+        console.print(f"  {c['fault_class']:<16} faults {c['faults']} · recovered {c['recovered']}"
+                      f"/{len(c['cycles'])} by {layers} · recovery p50 {_s(c['recovery']['p50_s'])}"
+                      f" p95 {_s(c['recovery']['p95_s'])} (n={c['recovery']['n']})")
+    if r["missing"]:
+        console.print(f"  not yet drilled: {', '.join(r['missing'])} (a resilience check covers them)")
+    rec = r["recovery"]
+    share = rec["reload_share"]
+    console.print(f"  detection p50 {_s(rec['detection']['p50_s'])} · recovery p50 {_s(rec['recovery']['p50_s'])}"
+                  f" p95 {_s(rec['recovery']['p95_s'])}"
+                  + (f" · reload {share * 100:.0f} % of it" if share is not None else ""))
+    saves = r["saves"]
+    console.print(f"  saves: cost p50 async {_s(saves['async_cost']['p50_s'])} (n={saves['async_cost']['n']}),"
+                  f" sync {_s(saves['sync_cost']['p50_s'])} (n={saves['sync_cost']['n']})")
+    scale = r["at_scale"]
+    if scale:
+        console.print(f"  at {scale['gpus']:,} GPUs ({scale['rate_source']}):")
+        for sc in scale["scenarios"]:
+            best = sc["best_interval_steps"]
+            console.print(f"    {sc['name']}: goodput {sc['goodput_now'] * 100:.1f} %"
+                          + (f", {sc['goodput_best'] * 100:.1f} % saving every {best} steps" if best else ""))
+
+
 if __name__ == "__main__":
     cli(prog_name="unbroken")
