@@ -186,8 +186,11 @@ class JobSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
         Literal["local", "kubernetes"],
         _d("where the job runs: processes on the control plane's machine, or pods on a Kubernetes cluster"),
     ] = "local"
-    nodes: Annotated[int, _d("nodes (the local backend: 1)", ge=1, le=65536)] = 1
-    procs_per_node: Annotated[int, _d("ranks per node", ge=1, le=1024)] = 2
+    nodes: Annotated[int, _d("nodes (the local backend: 1)", ge=1, le=2**20)] = 1
+    procs_per_node: Annotated[
+        int, _d("ranks per node (bounded by a rank id's range: simulated fleets put many on one node)", ge=1,
+                le=2**31 - 1)
+    ] = 2
     preset: Annotated[
         Literal["tiny", "small", "1b"],
         _d("the built-in example model's size (a job without an entrypoint runs it)"),

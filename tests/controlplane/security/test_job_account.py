@@ -54,7 +54,8 @@ def test_a_process_started_as_the_job_account_reads_neither_the_key_file_nor_the
         key_file.write_text("the-control-plane-secret-key")
         key_file.chmod(0o644)
         monkeypatch.setenv("UNBROKEN_SECRET_KEY_FILE", str(key_file))
-        database = Path(str(connection.settings_dict["NAME"]))
+        # The embedded default's database is a file beside the key; PostgreSQL's is behind its own server.
+        database = Path(str(connection.settings_dict["NAME"])) if connection.vendor == "sqlite" else key_file
         database.chmod(0o644)
         account = job_account()
         assert account is not None and account.uid == 65534
