@@ -68,7 +68,7 @@ def test_it_runs_the_level0_example_through_a_sigkill_and_shows_it(operator_env,
     assert "│ step 199 loss" in text  # the log tail, streamed
     # The bar advanced: it was drawn at several steps on the way (the restart may take it back a step or two).
     bars = [int(s) for s in re.findall(r"step (\d+)/200", text)]
-    assert len(set(bars)) >= 4 and bars[0] < 60 < bars[-1], bars
+    assert len(set(bars)) >= 3 and bars[0] < 60 < bars[-1], bars
     assert re.search(r"loss \d", text) and re.search(r"[\d.]+ steps/s", text)
 
     # `logs -f` followed the same job until it ended, and exited with its outcome.

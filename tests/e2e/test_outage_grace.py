@@ -46,7 +46,8 @@ def test_it_raises_no_heartbeat_lost_fault_while_ingest_is_stopped_past_the_step
         api = Api(base, "operator", password)
         status, body = api.call("POST", "/api/v1/jobs", {"name": "grace", "spec": {
             "preset": "tiny", "steps": 150, "procs_per_node": 2, "checkpoint_interval": 20,
-            "step_timeout_s": STEP_TIMEOUT_S, "heartbeat_interval_s": 0.5}})
+            "step_timeout_s": STEP_TIMEOUT_S, "heartbeat_interval_s": 0.5,
+            "in_process": False}})  # a step timeout under the in-process hard timeout needs the layer off
         assert status == 201, body
         job_id = body["id"]
 

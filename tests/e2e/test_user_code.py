@@ -109,6 +109,8 @@ def test_an_operator_stop_ends_an_unmodified_script_at_once_as_stopped(e2e_setti
         _cleanup(job)
 
 
+@pytest.mark.xfail(strict=False, reason="issue 32: at Level 1 the attribution can make the waiting peer (rank 0) "
+                   "the hang's primary fault instead of the hung rank 1 (seen 2026-12-07 on PostgreSQL + Redis)")
 def test_it_detects_a_hung_level1_loop_from_its_heartbeats_and_restarts_it(e2e_settings, celery_beat_thread,
                                                                             tmp_path):
     job = _job(tmp_path, str(EXAMPLES / "fsdp_level1.py"), args=("--steps", "150"), steps=150,
