@@ -26,10 +26,12 @@ def test_it_ends_a_hung_preset_rank_at_the_specs_step_timeout(tmp_path, receiver
     started = receiver.events("rank_started")
     assert started and all(e["data"]["settings"]["step_timeout_s"] == 6.0 for e in started), started
     faults = [e["data"] for e in receiver.events("fault")]
-    # ft_launcher reports every rank it ended (rank 0 waited in a collective: the control plane links it to
-    # rank 1's hang as a consequence); rank 1's hang is among them, and nothing but hangs.
+    # ft_launcher reports every rank it ended. Rank 1's is a hang, found by the launcher. Rank 0 waited in a
+    # collective: it reads as a hang too, or as gloo's exception when rank 1's end reset its connection first
+    # (a race); either way the control plane links it to rank 1's hang as an echo (controlplane/jobs/attribution).
     reported = [(f["fault"], f["detected_by"], f["rank"]) for f in faults]
-    assert ("hang", "launcher", 1) in reported and {r[:2] for r in reported} == {("hang", "launcher")}, faults
+    assert {r for r in reported if r[2] == 1} == {("hang", "launcher", 1)}, faults
+    assert {r[0] for r in reported if r[2] == 0} <= {"hang", "exception"}, faults
     marks = {e["data"]["mark"]: e["at"] for e in receiver.events("cycle") if e["data"]["cycle"] == "a0-ij1"}
     waited = marks["detected_at"] - marks["fault_at"]
     # ft_launcher's heartbeat timeout is the spec's 6 s (its own default would be 30 s); it checks every 0.5 s.

@@ -45,7 +45,7 @@ def test_it_refuses_abusive_job_bodies_with_json_4xx(send):
     assert status == 400
     status, out = send("/api/v1/jobs", {"spec": {"steps": 10**15}})
     assert status == 422 and "steps" in out["fields"]
-    for name, value in (("procs_per_node", 10**6), ("max_job_restarts", 10**9), ("keep_checkpoints", 10**7),
+    for name, value in (("procs_per_node", 2**31), ("max_job_restarts", 10**9), ("keep_checkpoints", 10**7),
                         ("heartbeat_interval_s", 1e12), ("stall_timeout_s", 1e300)):
         status, out = send("/api/v1/jobs", {"spec": {name: value}})
         assert status == 422 and name in out["fields"], (name, out)
