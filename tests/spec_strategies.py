@@ -115,6 +115,7 @@ def expected_settings(spec: JobSpec) -> dict[str, Any]:
         "step_timeout_s": spec.step_timeout_s,
         "checkpoint_timeout_s": spec.checkpoint_timeout_s,
         "startup_timeout_s": spec.startup_timeout_s,
+        "stall_timeout_s": spec.stall_timeout_s,
         "heartbeat_interval_s": spec.heartbeat_interval_s,
         "straggler_window_s": spec.straggler_window_s,
         "drills": [[d.step, str(d.fault), d.rank, d.fraction] for d in spec.drills],

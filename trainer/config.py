@@ -96,6 +96,8 @@ class TrainConfig:
     step_timeout: float = _SPEC.step_timeout_s
     ckpt_timeout: float = _SPEC.checkpoint_timeout_s
     startup_timeout: float = _SPEC.startup_timeout_s
+    # Level 0 (a script without the SDK): a rank whose printed step does not move for this long is hung.
+    stall_timeout: float = _SPEC.stall_timeout_s
 
     drills: tuple[Drill, ...] = ()
 
@@ -189,7 +191,7 @@ class TrainConfig:
             local_ckpt_root=(env.get("UNBROKEN_LOCAL_CKPT_DIR") or LOCAL_CHECKPOINT_ROOT) if copy else "",
             in_process=spec.in_process, max_in_process_restarts=spec.max_in_process_restarts,
             step_timeout=spec.step_timeout_s, ckpt_timeout=spec.checkpoint_timeout_s,
-            startup_timeout=spec.startup_timeout_s,
+            startup_timeout=spec.startup_timeout_s, stall_timeout=spec.stall_timeout_s,
             drills=tuple(Drill(step=d.step, fault=DrillFault(d.fault), rank=d.rank, fraction=d.fraction)
                          for d in spec.drills),
             report_url=report_url, agent_url=env.get("UNBROKEN_AGENT_URL", "").rstrip("/"),
@@ -205,6 +207,7 @@ class TrainConfig:
             "local_checkpoint_copy": bool(self.local_ckpt_root), "in_process": self.in_process,
             "max_in_process_restarts": self.max_in_process_restarts, "step_timeout_s": self.step_timeout,
             "checkpoint_timeout_s": self.ckpt_timeout, "startup_timeout_s": self.startup_timeout,
+            "stall_timeout_s": self.stall_timeout,
             "heartbeat_interval_s": self.report_interval, "straggler_window_s": self.straggler_window,
             "drills": [[d.step, str(d.fault), d.rank, d.fraction] for d in self.drills],
             "spec_sha256": hashlib.sha256(self.spec.encode().encode()).hexdigest() if self.spec else "",

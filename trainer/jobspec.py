@@ -244,7 +244,13 @@ class JobSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
         float, _d("the same for a rank saving or loading a checkpoint (or in another slow phase)", ge=0.1, le=7 * 86400)
     ] = 300.0
     stall_timeout_s: Annotated[
-        float, _d("ranks that report but whose step does not move for this long are stalled", ge=0.1, le=7 * 86400)
+        float,
+        _d(
+            "ranks that report but whose step does not move for this long are stalled; a script without the SDK "
+            "(Level 0) ends such a rank as hung, for a restart",
+            ge=0.1,
+            le=7 * 86400,
+        ),
     ] = 120.0
     storm_restarts: Annotated[
         int, _d("this many restarts without step progress stop the job (a restart storm)", ge=1, le=10000)

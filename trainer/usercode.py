@@ -149,6 +149,8 @@ class UserRun:
         self.progress_seen = False
         self.stop_requested = False
         self._last_step_t: float | None = None
+        self._moved_at = time.monotonic()  # when the step last grew (Level 0's hang watch)
+        self._stacks_written = False
         self._first_step_marked = False
         self._closed = threading.Event()
         self._lock = threading.Lock()
@@ -279,6 +281,8 @@ class UserRun:
             step_time = None
             if self._last_step_t is not None and step > self.step_no:
                 step_time = (now - self._last_step_t) / (step - self.step_no)
+            if step > self.step_no:
+                self._moved_at, self._stacks_written = time.monotonic(), False
             self._last_step_t = now
             self.step_no, self.loss, self.phase = step, loss, Phase.TRAIN
             self.progress_seen = True
@@ -315,6 +319,7 @@ class UserRun:
             return
         if step > self.step_no:
             self.step_no, self.loss, self.phase = step, loss, Phase.TRAIN
+            self._moved_at, self._stacks_written = time.monotonic(), False
             if not self._first_step_marked:
                 self._first_step_marked = True
                 self._mark(CycleMark.FIRST_STEP, step=step)
@@ -407,8 +412,37 @@ class UserRun:
                 self._shared_progress()
                 self.reporter.heartbeat(step=self.step_no, phase=self.phase, loss=self.loss)
                 self._commands()
+                self._watch_progress()
             except Exception:  # never let this thread die; the facts are best effort
                 log.warning("heartbeat thread", exc_info=True)
+
+    def _watch_progress(self) -> None:
+        """Level 0: this thread beats while the process lives, so a hung loop is seen only in its step, the
+        one a script prints (shared by the ranks that print none). Once training has shown progress, a step
+        that does not move for the spec's ``stall_timeout_s`` ends the rank as hung: its threads' stacks
+        first (the launcher reports them; the control plane tells the hung rank from the peers that wait
+        for it in a collective), then an exit that ft_launcher restarts in-job (or the launcher, the job).
+        A pause longer than that between progress lines (a long save, an evaluation) needs a longer
+        ``stall_timeout_s``, or Level 1's phases."""
+        limit = self.cfg.stall_timeout
+        if self.level > 0 or not self.progress_seen or not limit or self._closed.is_set():
+            return
+        idle = time.monotonic() - self._moved_at
+        if idle >= limit - min(2.0, limit / 4) and not self._stacks_written and self.cfg.run_dir:
+            # A little before the end, so that every stuck rank's stacks are there when the first one exits.
+            self._stacks_written = True
+            with contextlib.suppress(OSError), open(hang_stack_path(self.cfg.run_dir, self.rank), "w",
+                                                    encoding="utf-8") as f:
+                faulthandler.dump_traceback(file=f, all_threads=True)
+        if idle < limit:
+            return
+        self.record_fault(FaultClass.HANG, f"rank {self.rank}'s step has not moved from {self.step_no} for "
+                          f"{idle:.0f} s (stall_timeout_s={limit:g}; without the SDK the step the script prints "
+                          "is the only sign of progress): ended as hung")
+        self._closed.set()
+        self.reporter.heartbeat(step=self.step_no, phase=Phase.RESTARTING, loss=self.loss)
+        self.reporter.close(timeout_s=5.0)
+        os._exit(EXIT_RESTART_IN_JOB)  # ft_launcher restarts the group; without it, the launcher the job
 
     # -- Level 1 ----------------------------------------------------------------------------------------
 

@@ -31,6 +31,7 @@ class Route:
     query: type | None = None
     body: type | None = None
     errors: tuple[int, ...] = ()
+    html: bool = False  # also answers text/html (its query's ``format=html``)
 
 
 READ = (401, 404, 405, 422)
@@ -46,7 +47,7 @@ ROUTES = (
     Route(JOB + "/goodput", "get", "getGoodput", "Where the job's wall time went", s.Goodput, query=s.NoQuery,
           errors=READ),
     Route(JOB + "/report", "get", "getReport", "The job's resilience report, with goodput projected at scale",
-          Report, query=ReportQuery, errors=READ),
+          Report, query=ReportQuery, errors=READ, html=True),
     Route(JOB + "/resilience-checks", "post", "startResilienceCheck",
           "Run the job's spec again with a drill plan (operators; dry_run: the plan and its budget only)",
           Check, 201, body=CheckCreate, errors=WRITE),
@@ -141,6 +142,8 @@ def document() -> dict:
             op["requestBody"] = {"required": True, "content": _json(ref[r.body])}
         op["responses"] = {str(r.status): {"description": (r.response.__doc__ or r.response.__name__).strip(),
                                            "content": _json(ref[r.response])}}
+        if r.html:
+            op["responses"][str(r.status)]["content"]["text/html"] = {"schema": {"type": "string"}}
         for code in r.errors:
             op["responses"][str(code)] = {"description": ERRORS[code], "content": _json(ref[s.Error])}
         paths.setdefault(r.path, {})[r.method] = op

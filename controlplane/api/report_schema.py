@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 from msgspec import Meta, Struct
 
@@ -21,6 +21,9 @@ class ReportQuery(Struct, forbid_unknown_fields=True, kw_only=True):
         projection.LLAMA3.days)
     on_gpus: Annotated[int, Meta(ge=1, le=100_000_000, description="... on this many GPUs")] = (
         projection.LLAMA3.gpus)
+    format: Annotated[Literal["json", "html"], Meta(
+        description="html: the report as one self-contained HTML file (plotly inlined, no network), as an "
+                    "attachment")] = "json"
 
     def rate(self) -> projection.FailureRate:
         r = projection.LLAMA3

@@ -125,7 +125,13 @@ def job_report(request: HttpRequest, job_id: int) -> HttpResponse:
     """The job's resilience report (``jobs/resilience_report.py``): the page's and the HTML file's figures."""
     authorise(request, act=False)
     q = query(request, ReportQuery)
-    return respond(resilience_report.build_report(job_or_404(job_id), gpus=q.gpus, rate=q.rate()))
+    report = resilience_report.build_report(job_or_404(job_id), gpus=q.gpus, rate=q.rate())
+    if q.format == "html":
+        out = HttpResponse(resilience_report.as_html(report, base_url=request.build_absolute_uri("/").rstrip("/")),
+                           content_type="text/html; charset=utf-8")
+        out["Content-Disposition"] = f'attachment; filename="job-{job_id}-report.html"'
+        return out
+    return respond(report)
 
 
 @api_view("POST")

@@ -26,7 +26,7 @@ import msgspec
 
 from django.db import transaction
 
-from controlplane.jobs import services
+from controlplane.jobs import figures, services
 from controlplane.jobs.models import AuditEntry, Job, RestartCycle
 from controlplane.jobs.resilience_report import step_time
 from controlplane.jobs.spec import Drill, JobSpec, SpecError
@@ -153,12 +153,22 @@ def budget(job: Job, spec: JobSpec, plan: Plan) -> Budget:
         if cls in own:
             r = own[cls]
         elif fault in ("hang", "hang_collective"):
-            r = spec.step_timeout_s + 10.0
+            r = hang_after_s(job, spec) + 10.0
         else:
             r = DEFAULT_RECOVERY_S[fault]
         rec += r + _offset(placement, spec.checkpoint_interval) * step_s  # and the steps it re-does
     return Budget(total_s=startup + steps * step_s + rec, steps=steps, step_s=step_s, startup_s=startup,
                   recovery_s=rec, measured=measured_step is not None)
+
+
+def hang_after_s(job: Job, spec: JobSpec) -> float:
+    """When a hang is ended: at the step timeout where the loop beats (the built-in model, Level 1 and 2);
+    a script without the SDK (Level 0, or a script not seen running yet) at the stall timeout, since only
+    its printed step shows progress (``trainer.usercode``)."""
+    if not spec.entrypoint or spec.in_process:
+        return spec.step_timeout_s
+    seen = figures.integration(job)
+    return spec.step_timeout_s if seen is not None and (seen.level or 0) >= 1 else spec.stall_timeout_s
 
 
 def _own_recoveries(job: Job) -> dict[str, float]:

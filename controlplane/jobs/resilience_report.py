@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections import defaultdict
+from collections.abc import Callable
 from datetime import datetime
 
 from django.db.models import Min
@@ -217,6 +218,24 @@ def level_of(job: Job) -> int:
 
 def _api(job: Job, tail: str = "") -> str:
     return reverse("api:job", args=[job.pk]) + tail
+
+
+# The report as one self-contained HTML file is the dashboard's to draw (its templates and charts); the API
+# serves it through this port, which the dashboard fills in its ``AppConfig.ready`` (the API cannot import
+# the dashboard: they are sibling faces over the domain).
+_html_renderer: Callable[[Report, str], str] | None = None
+
+
+def serve_html(renderer: Callable[[Report, str], str]) -> None:
+    global _html_renderer
+    _html_renderer = renderer
+
+
+def as_html(r: Report, *, base_url: str = "") -> str:
+    """The report as one HTML file (plotly, CSS and script inlined: no request leaves it)."""
+    if _html_renderer is None:
+        raise LookupError("the report's HTML is drawn by controlplane.dashboard, which is not installed")
+    return _html_renderer(r, base_url)
 
 
 def build_report(job: Job, *, now: datetime | None = None, gpus: int = projection.LLAMA3.gpus,

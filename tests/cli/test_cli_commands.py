@@ -100,6 +100,20 @@ def test_its_json_is_the_operator_apis_types(operator_env):
     assert report.returncode == 0 and f"/jobs/{job.pk}/report/" in report.stdout and "saves:" in report.stdout, report
 
 
+def test_it_writes_the_report_as_one_html_file(operator_env, tmp_path):
+    job = services.create_job(name="j", spec=JobSpec(steps=50), created_by=None, launch=False)
+    path = tmp_path / "report.html"
+    out = unbroken(operator_env, "report", str(job.pk), "--html", str(path), "--gpus", "1024")
+    assert out.returncode == 0 and "wrote" in out.stdout, out
+    html = path.read_text()
+    assert html.lower().startswith("<!doctype html>") and "Plotly" in html and f"Resilience report #{job.pk}" in html
+    # Self-contained: nothing it loads comes from elsewhere (links to the job's pages may point back).
+    assert not re.search(r'<(?:script|link|img)[^>]+(?:src|href)="https?://', html)
+    missing = unbroken(operator_env, "report", "999999", "--html", str(tmp_path / "none.html"))
+    assert missing.returncode == 2 and "no job 999999" in missing.stderr
+    assert not (tmp_path / "none.html").exists()
+
+
 def test_it_issues_commands_and_they_are_audited_as_the_tokens_user(operator_env):
     job = services.create_job(name="j", spec=JobSpec(steps=50), created_by=None, launch=False)
     out = unbroken(operator_env, "restart", str(job.pk), "--level", "in_job", "--json")

@@ -19,12 +19,7 @@ from controlplane.launchers.services import supervise_all
 from tests.controlplane.api.report_checks import assert_report_matches_api
 from tests.helpers import wait_for
 
-pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True),
-              # Run by hand (UNBROKEN_E2E_RESILIENCE=1): in CI on 2026-12-07 the Level-0 plan's hang drill
-              # (110:hang:0 on plain_fsdp.py) hung the job past 13 minutes, never restarted, and the demo's
-              # twelve drills need ~15 minutes of CI alone. Issue 36 stays open on it.
-              pytest.mark.skipif(os.environ.get("UNBROKEN_E2E_RESILIENCE") != "1",
-                                 reason="the full drill plans end to end: UNBROKEN_E2E_RESILIENCE=1 (issue 36)")]
+pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 EXAMPLES = Path(__file__).resolve().parents[2] / "trainer" / "examples"
 
 
@@ -49,19 +44,23 @@ def _check(source: Job, timeout_s: float) -> tuple[Job, dict]:
     return run, report
 
 
-@pytest.mark.timeout(1500)  # six drills over 300 steps: ~10 min on a quiet 2-core machine
+@pytest.mark.timeout(900)
 def test_the_default_plan_checks_an_unmodified_script(e2e_settings, celery_beat_thread, tmp_path):
+    # Six drills (exception, hang, kill; first and last rank). Without the SDK a hang is seen in the printed
+    # step alone and ended at the stall timeout (here 15 s).
     spec = JobSpec.from_dict({"entrypoint": str(EXAMPLES / "plain_fsdp.py"), "args": ["--steps", "300"],
                               "working_dir": str(tmp_path), "steps": 300, "step_timeout_s": 5.0,
-                              "stall_timeout_s": 60.0, "heartbeat_interval_s": 0.5})
+                              "stall_timeout_s": 15.0, "heartbeat_interval_s": 0.5})
     source = services.create_job(name="own code", spec=spec, created_by=None, launch=False)
-    run, report = _check(source, timeout_s=1400)
+    run, report = _check(source, timeout_s=800)
     assert run.status == JobStatus.SUCCEEDED, run.status_reason
     assert report["level"] == 0 and [u["fault_class"] for u in report["uncovered"]][:1] == ["nan_loss"]
     assert report["missing"] == []  # exception, hang and a kill, each met
     assert sum(r["recovered"] for r in report["classes"]) >= 6
 
 
+@pytest.mark.skipif(os.environ.get("UNBROKEN_E2E_RESILIENCE") != "1",
+                    reason="twelve drills over 501 steps, ~15 minutes: UNBROKEN_E2E_RESILIENCE=1 or make bench-report")
 @pytest.mark.timeout(2400)  # twelve drills over 501 steps (make bench-report runs the same plan)
 def test_the_default_plan_checks_the_demo(e2e_settings, celery_beat_thread):
     source = services.create_job(name="demo", spec=DEMO_SPEC, created_by=None, launch=False)

@@ -49,7 +49,8 @@ def _cleanup(job: Job) -> None:
 
 
 def _faults(job: Job) -> list:
-    return list(Fault.objects.filter(job=job).values("fault_class", "rank", "detected_by", "message", "cycle__layer"))
+    return list(Fault.objects.filter(job=job).values("id", "fault_class", "rank", "detected_by", "primary_id", "link",
+                                                     "cycle__layer", "message"))
 
 
 def test_it_supervises_an_unmodified_script_through_a_kill_and_an_exception(e2e_settings, celery_beat_thread,
@@ -109,8 +110,6 @@ def test_an_operator_stop_ends_an_unmodified_script_at_once_as_stopped(e2e_setti
         _cleanup(job)
 
 
-@pytest.mark.xfail(strict=False, reason="issue 32: at Level 1 the attribution can make the waiting peer (rank 0) "
-                   "the hang's primary fault instead of the hung rank 1 (seen 2026-12-07 on PostgreSQL + Redis)")
 def test_it_detects_a_hung_level1_loop_from_its_heartbeats_and_restarts_it(e2e_settings, celery_beat_thread,
                                                                             tmp_path):
     job = _job(tmp_path, str(EXAMPLES / "fsdp_level1.py"), args=("--steps", "150"), steps=150,
@@ -118,8 +117,12 @@ def test_it_detects_a_hung_level1_loop_from_its_heartbeats_and_restarts_it(e2e_s
     try:
         _finish(job)
         assert job.status == JobStatus.SUCCEEDED, (job.status_reason, _log(job))
-        hang = Fault.objects.filter(job=job, fault_class=FaultClass.HANG, cycle__isnull=False).first()
+        # The hung rank's fault is the failure's primary; the peer that waited for it (rank 0, in a
+        # collective), if reported, is its consequence.
+        hang = Fault.objects.filter(job=job, fault_class=FaultClass.HANG, cycle__isnull=False,
+                                    primary__isnull=True).first()
         assert hang is not None and hang.rank == 1, _faults(job)
+        assert not Fault.objects.filter(job=job, primary__isnull=True).exclude(pk=hang.pk).exists(), _faults(job)
         assert hang.cycle.layer == Layer.IN_JOB
         # No in-process layer to take the hung rank's stack: its faulthandler wrote it before ft_launcher
         # ended the rank, and the launcher attached it to the fault.

@@ -40,6 +40,10 @@ class Client:
     def get(self, path: str, **params: Any) -> dict:
         return self._send("GET", path, params={k: v for k, v in params.items() if v is not None})
 
+    def get_file(self, path: str, **params: Any) -> bytes:
+        """A read the API answers with a file (not JSON), e.g. the report with ``format=html``."""
+        return self._send("GET", path, raw=True, params={k: v for k, v in params.items() if v is not None})
+
     def post(self, path: str, body: dict) -> dict:
         return self._send("POST", path, json=body)
 
@@ -54,7 +58,7 @@ class Client:
                 return out
             params["after"] = _after(page["next"])
 
-    def _send(self, method: str, path: str, **kw: Any) -> dict:
+    def _send(self, method: str, path: str, *, raw: bool = False, **kw: Any) -> Any:
         try:
             r = self._http.request(method, API + path, **kw)
         except httpx2.TimeoutException:
@@ -62,6 +66,8 @@ class Client:
         except httpx2.TransportError as e:
             raise ApiError(f"cannot reach {self.base} ({e.__class__.__name__}: {e}): is the server running, "
                            "and is the address right? (unbroken login URL, or UNBROKEN_URL)") from None
+        if raw and r.status_code < 400:
+            return r.content
         try:
             body = r.json()
         except ValueError:
@@ -76,7 +82,7 @@ class Client:
             raise ApiError(message, exit_code=EXIT_AUTH, status=401, body=body)
         if r.status_code == 403:
             raise ApiError(f"refused: {message} (your token carries your account's role)",
-                           exit_code=EXIT_AUTH,                           status=403, body=body)
+                           exit_code=EXIT_AUTH, status=403, body=body)
         if r.status_code in (400, 404, 409, 413, 422):
             raise ApiError(message, exit_code=EXIT_INPUT, status=r.status_code, body=body)
         raise ApiError(f"the server failed ({r.status_code}): {message}", status=r.status_code, body=body)

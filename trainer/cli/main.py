@@ -428,12 +428,23 @@ def _s(v: float | None) -> str:
 @click.argument("job_id", metavar="JOB", type=JOB)
 @click.option("--gpus", type=click.IntRange(1, 10**7), help="project goodput at this many GPUs")
 @click.option("--json", "as_json", is_flag=True, help="the API's Report")
-def report(job_id: int, gpus: int | None, as_json: bool) -> None:
+@click.option("--html", "html", type=click.Path(dir_okay=False, writable=True), metavar="FILE",
+              help="write the report as one self-contained HTML file (plotly inlined, opens offline)")
+def report(job_id: int, gpus: int | None, as_json: bool, html: str | None) -> None:
     """The job's resilience report: which failures it survived, how fast, what saves cost, goodput at scale.
 
-    The page (its URL is printed) draws the same figures; `manage.py resilience_report JOB --out FILE`
-    writes them as one self-contained HTML file."""
+    The page (its URL is printed) draws the same figures; --html FILE writes them as one self-contained
+    HTML file to keep or share."""
     client = _client()
+    if html:
+        data = client.get_file(f"/jobs/{job_id}/report", format="html", **({"gpus": gpus} if gpus else {}))
+        try:
+            with open(html, "wb") as f:
+                f.write(data)
+        except OSError as e:
+            raise click.ClickException(f"cannot write {html}: {e.strerror}") from None
+        console.print(f"wrote {escape(html)} ({len(data) / 1e6:.1f} MB): open it in a browser, no network needed")
+        return
     r = client.get(f"/jobs/{job_id}/report", **({"gpus": gpus} if gpus else {}))
     if as_json:
         _json(r)

@@ -100,8 +100,21 @@ def test_it_is_in_the_operator_document(client):
     doc = client.get(DOC).json()
     op = doc["paths"]["/api/v1/jobs/{job_id}/report"]["get"]
     assert op["operationId"] == "getReport"
-    assert {p["name"] for p in op["parameters"]} >= {"job_id", "gpus", "interruptions", "days", "on_gpus"}
+    assert {p["name"] for p in op["parameters"]} >= {"job_id", "gpus", "interruptions", "days", "on_gpus",
+                                                     "format"}
     assert "Report" in doc["components"]["schemas"]
+    assert set(op["responses"]["200"]["content"]) == {"application/json", "text/html"}
+
+
+def test_it_serves_the_report_as_one_html_file(api, client, post, settle):
+    job = drill.build(post, settle, user=api.user)
+    r = client.get(f"/api/v1/jobs/{job.pk}/report", {"format": "html", "gpus": 2048})
+    assert r.status_code == 200 and r["Content-Type"] == "text/html; charset=utf-8"
+    assert r["Content-Disposition"] == f'attachment; filename="job-{job.pk}-report.html"'
+    html = r.content.decode()
+    assert "Plotly" in html and "At <strong>2048 GPUs" in html
+    assert f'href="http://testserver/api/v1/jobs/{job.pk}/' in html  # its links lead back to this server
+    assert client.get(f"/api/v1/jobs/{job.pk}/report", {"format": "pdf"}).status_code == 422
 
 
 def _hundred_cycles(job, now):
