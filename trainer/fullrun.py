@@ -143,24 +143,23 @@ class CheckpointAPI:
         ctx = self._ctx
         if ctx is None:
             return 0
-        if ctx.ckpt_pg is None:
+        if ctx._ckpt_pg is None:
             raise RuntimeError("unbroken: call ctx.init_process_group() before ctx.checkpoint.restore(...)")
         bad = [k for k, v in stateful.items() if not isinstance(v, Stateful)]
         if bad:
             raise TypeError(f"unbroken: ctx.checkpoint.restore({bad[0]}=...): needs state_dict() and "
                             "load_state_dict() (torch.distributed.checkpoint.stateful.Stateful)")
-        s = ctx.session
+        s = ctx._session
         self._state = _AppState(model=model, optim=optim, extra=stateful, rank=dist.get_rank())
         self._checkpointer = Checkpointer(root=s.cfg.ckpt_dir, mode=s.cfg.ckpt_mode, keep=s.cfg.keep_ckpts,
-                                          pg=ctx.ckpt_pg, report=s.reporter.event, atomic=ctx.scope.atomic,
+                                          pg=ctx._ckpt_pg, report=s.reporter.event, atomic=ctx._scope.atomic,
                                           memory=s.snapshot, local_dir=s.cfg.local_ckpt_dir)
         s.checkpointer = self._checkpointer
         s.reporter.heartbeat(step=0, phase=Phase.CHECKPOINT_LOAD)
         with ctx._impl.keep_alive():  # type: ignore[union-attr]
             start = self._checkpointer.load(self._state) or 0
         self.restored_from = self._checkpointer.restored_from
-        s.mark(ctx.cycle, CycleMark.CHECKPOINT_LOADED, step=start, restored_from=self.restored_from)
-        ctx.resumed_from = start
+        s.mark(ctx._cycle, CycleMark.CHECKPOINT_LOADED, step=start, restored_from=self.restored_from)
         return start
 
     def wait_for_staging(self) -> None:
@@ -181,7 +180,7 @@ class CheckpointAPI:
         ctx = self._ctx
         if ctx is None or self._checkpointer is None or self._state is None:
             return False
-        interval = ctx.session.cfg.ckpt_interval
+        interval = ctx._session.cfg.ckpt_interval
         if not interval or step % interval:
             return False
         self.save(step)
@@ -193,8 +192,8 @@ class CheckpointAPI:
         if ctx is None or self._checkpointer is None or self._state is None:
             return
         mode = CheckpointMode.SYNC if sync else None
-        if sync or ctx.session.cfg.ckpt_mode == CheckpointMode.SYNC:
-            ctx.session.reporter.heartbeat(step=step, phase=Phase.CHECKPOINT_SAVE)
+        if sync or ctx._session.cfg.ckpt_mode == CheckpointMode.SYNC:
+            ctx._session.reporter.heartbeat(step=step, phase=Phase.CHECKPOINT_SAVE)
         with ctx._impl.keep_alive():  # type: ignore[union-attr]
             self._checkpointer.save(self._state, step, mode=mode)
         if not self._overlap:  # nobody waits before optimizer.step(): finish the copy now
@@ -204,61 +203,70 @@ class CheckpointAPI:
         if self._checkpointer is not None:
             self._checkpointer.wait()
             self._checkpointer.close()
-            self._ctx.session.checkpointer = None  # type: ignore[union-attr]
+            self._ctx._session.checkpointer = None  # type: ignore[union-attr]
             self._checkpointer = None
 
 
 class Context:
-    """What the entrypoint receives, once per attempt (``iteration`` counts in-process restarts)."""
+    """What the entrypoint receives, once per attempt: ``rank``, ``world_size``, ``device``,
+    ``iteration``, ``init_process_group()``, ``step(...)``, ``checkpoint`` and ``should_stop()``. Outside
+    the product only ``init_process_group`` does anything."""
 
     def __init__(self, *, session: Session | None, scope: Any, impl: UserRun | None, pacer: Any = None):
-        self.session, self.scope, self._impl = session, scope, impl
+        self._session, self._scope, self._impl = session, scope, impl
         self._pacer = pacer  # the in-process layer's progress (ProgressMark)
-        self.iteration: int = getattr(scope, "iteration", 0)
-        self.ckpt_pg: Any = None
+        self._iteration: int = getattr(scope, "iteration", 0)
+        self._ckpt_pg: Any = None
         self._ctl_pg: Any = None
         self._control: Control | None = None
         self._stop = False
         self._last_t: float | None = None
         self._first = True
-        self.resumed_from = 0
         self.checkpoint = CheckpointAPI(self if session is not None else None)
-        self.cycle = session.cycle(self.iteration) if session is not None else None
+        self._cycle = session.cycle(self._iteration) if session is not None else None
         if impl is not None:
             impl.busy.reset()
         if session is not None:
-            session.iteration = self.iteration
-            if self.iteration > 0:
+            session.iteration = self._iteration
+            if self._iteration > 0:
                 session.reporter.event(EventKind.RANK_STARTED, {
-                    "iteration": self.iteration, "restart_count": session.env.restart_count,
+                    "iteration": self._iteration, "restart_count": session.env.restart_count,
                     "world_size": int(os.environ["WORLD_SIZE"]), "pid": os.getpid(),
                     "initial_rank": session.env.initial_rank})
                 session.ft.start()
 
     @property
+    def iteration(self) -> int:
+        """How many in-process restarts came before this attempt (0 on the first)."""
+        return self._iteration
+
+    @property
     def rank(self) -> int:
+        """This process's rank in the default process group (``RANK`` before it exists)."""
         return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
 
     @property
     def world_size(self) -> int:
+        """The number of ranks (``WORLD_SIZE`` before the process group exists)."""
         return dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
 
     @property
     def device(self) -> torch.device:
-        if self.session is not None:
-            return self.session.device
+        """The device this rank trains on: its GPU (``LOCAL_RANK``) where the job uses CUDA, else the CPU."""
+        if self._session is not None:
+            return self._session.device
         if torch.cuda.is_available():
             return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         return torch.device("cpu")
 
     def init_process_group(self) -> None:
         """The default process group for this attempt (NCCL on GPU, gloo on CPU), on a fresh store prefix."""
-        if self.session is None:
+        if self._session is None:
             if not dist.is_initialized():
                 dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo")
             return
-        self.ckpt_pg, self._ctl_pg = init_distributed(self.session, self.iteration)
-        s = self.session
+        self._ckpt_pg, self._ctl_pg = init_distributed(self._session, self._iteration)
+        s = self._session
         rank = dist.get_rank()
         self._control = Control(inbox=s.inbox if rank == 0 else None, pg=self._ctl_pg, rank=rank,
                                 world_size=dist.get_world_size(), in_process=s.cfg.in_process,
@@ -269,7 +277,7 @@ class Context:
         """Report step ``step`` completed; every rank calls it once per step (ranks agree on commands
         with one tiny broadcast, collected a step later so that no rank waits for the slowest here).
         A non-finite ``loss`` is a fault: the attempt restarts from the last durable checkpoint."""
-        s = self.session
+        s = self._session
         if s is None:
             return
         impl = self._impl
@@ -307,7 +315,7 @@ class Context:
         s.last_loss = loss
         if self._first:
             self._first = False
-            s.mark(self.cycle, CycleMark.FIRST_STEP, step=step)
+            s.mark(self._cycle, CycleMark.FIRST_STEP, step=step)
         decision = self._control.agree_overlapped(step, dt)
         if decision.kind is None:
             return
@@ -339,7 +347,7 @@ class Context:
 
     def _finish(self) -> None:
         """The entrypoint returned: finish the in-flight save, leave the process groups."""
-        if self.session is None:
+        if self._session is None:
             return
         self.checkpoint._close()
         if self._control is not None:

@@ -1,0 +1,21 @@
+"""The SDK's public face: what ``Context`` shows."""
+
+from __future__ import annotations
+
+import unbroken
+
+
+def test_outside_the_product_the_context_shows_its_api_only():
+    seen = {}
+
+    def train(ctx: unbroken.Context) -> str:
+        seen["attributes"] = sorted(n for n in vars(ctx) if not n.startswith("_"))
+        seen["public"] = sorted(n for n in dir(ctx) if not n.startswith("_"))
+        assert not ctx.should_stop() and ctx.iteration == 0
+        ctx.step(1, loss=0.5)
+        return "done"
+
+    assert unbroken.entrypoint(train)() == "done"
+    assert seen["attributes"] == ["checkpoint"]
+    assert seen["public"] == ["checkpoint", "device", "init_process_group", "iteration", "rank",
+                              "should_stop", "step", "world_size"]
