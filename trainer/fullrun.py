@@ -1,6 +1,6 @@
 """The SDK's full level (Level 2): the user's training function is what the restart layers re-enter.
 
-``unbroken.entrypoint`` / ``unbroken.run`` land here. Under the product (the shim started this process)
+``unbroken.entrypoint`` lands here. Under the product (the shim started this process)
 the function runs inside the resilience layers (``trainer.resilience``: the NVRx in-process Wrapper
 when the job has in-process restarts, ft_launcher heartbeats), and its
 ``Context`` gives it, per attempt: the process group (``init_process_group``), restore and async DCP

@@ -1,8 +1,23 @@
-"""The SDK's public face: what ``Context`` shows."""
+"""The SDK's public face: one import name, one way to declare an entrypoint, what ``Context`` shows."""
 
 from __future__ import annotations
 
+import importlib
+
+import pytest
+
 import unbroken
+
+
+def test_the_sdk_imports_under_one_name_only():
+    assert unbroken.__name__ == "unbroken"
+    with pytest.raises(ImportError, match="`import unbroken`, not `import trainer.unbroken`"):
+        importlib.import_module("trainer.unbroken")
+
+
+def test_an_entrypoint_is_declared_one_way():
+    assert "run" not in unbroken.__all__ and not hasattr(unbroken, "run")
+    assert "entrypoint" in unbroken.__all__
 
 
 def test_outside_the_product_the_context_shows_its_api_only():

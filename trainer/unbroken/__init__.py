@@ -42,6 +42,9 @@ Without any of these calls (Level 0), the product still supervises the script: s
 
 from __future__ import annotations
 
+if __name__ != "unbroken":  # one module, one name: two would be two copies with their own state
+    raise ImportError(f"the SDK is imported as `import unbroken`, not `import {__name__}`")
+
 import contextlib
 import os
 
@@ -55,7 +58,7 @@ from trainer.fullrun import run as _run_full
 from trainer.wire import SLOW_PHASES as _SLOW
 from trainer.wire import Phase as _Phase
 
-__all__ = ["PHASES", "Context", "Run", "checkpoint_dir", "entrypoint", "init", "restart_count", "run"]
+__all__ = ["PHASES", "Context", "Run", "checkpoint_dir", "entrypoint", "init", "restart_count"]
 
 #: The phases ``Run.phase`` takes. ``checkpoint_save``, ``checkpoint_load`` and ``eval`` are slow: the
 #: job's checkpoint timeout applies while in them. ``checkpoint`` is short for ``checkpoint_save``.
@@ -157,8 +160,10 @@ def checkpoint_dir() -> str | None:
     return os.environ.get(_usercode.ENV_CHECKPOINT_DIR) or None
 
 
-def run(fn: Callable[[Context], Any]) -> Any:
-    """Run ``fn(ctx)`` as the unit the product's restart layers re-enter (Level 2); see ``entrypoint``.
+def entrypoint(fn: Callable[[Context], Any]) -> Callable[[], Any]:
+    """Decorate your training function ``fn(ctx)`` (Level 2); calling the result with no arguments runs
+    ``fn`` as the unit the product's restart layers re-enter (see the module docstring's example). A job
+    spec can name it directly: ``"entrypoint": "pkg.train:train"``.
 
     Rules for ``fn``: create the process group with ``ctx.init_process_group()`` inside it (never
     before: that is refused); build the model, optimizer and data inside it, or make what lives across
@@ -166,18 +171,10 @@ def run(fn: Callable[[Context], Any]) -> Any:
     let exceptions propagate (a bare ``except:`` or ``except BaseException`` blocks the restart, and
     ``sys.exit(n)`` ends the job); call ``ctx.step`` on every rank every step.
     """
-    return _run_full(fn, _usercode.current())
-
-
-def entrypoint(fn: Callable[[Context], Any]) -> Callable[[], Any]:
-    """Decorate your training function ``fn(ctx)``; calling it with no arguments runs it through
-    ``unbroken.run`` (see the module docstring's Level-2 example). A job spec can name it directly:
-    ``"entrypoint": "pkg.train:train"``.
-    """
 
     @functools.wraps(fn)
     def start() -> Any:
-        return run(fn)
+        return _run_full(fn, _usercode.current())
 
     start.__unbroken_entrypoint__ = True  # type: ignore[attr-defined]
     return start
