@@ -376,7 +376,7 @@ class UserRun:
                 return
             self.inbox.done(cid)
             if acks:
-                self.reporter.event(*ack_event(cid, True, "should_stop() is now true"))
+                self.reporter.event(*ack_event(cid, True, "stop_requested() is now true"))
             return
         self.inbox.done(cid)
         if kind == CommandKind.RESTART and cmd.get("level") == Layer.IN_JOB and self.env.in_job:

@@ -1,8 +1,10 @@
-"""The SDK's public face: one import name, one way to declare an entrypoint, what ``Context`` shows."""
+"""The SDK's public face: one import name, one way to declare an entrypoint, what ``Context`` shows,
+``should_stop`` with one meaning."""
 
 from __future__ import annotations
 
 import importlib
+import warnings
 
 import pytest
 
@@ -34,3 +36,14 @@ def test_outside_the_product_the_context_shows_its_api_only():
     assert seen["attributes"] == ["checkpoint"]
     assert seen["public"] == ["checkpoint", "device", "init_process_group", "iteration", "rank",
                               "should_stop", "step", "world_size"]
+
+
+def test_level1s_rank_local_stop_has_its_own_name_and_the_old_one_warns():
+    run = unbroken.init()
+    assert run.stop_requested() is False
+    unbroken._should_stop_warned = False
+    with pytest.warns(DeprecationWarning, match=r"run\.stop_requested\(\)"):
+        assert run.should_stop() is False
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert run.should_stop() is False  # once only

@@ -11,7 +11,7 @@ Level 1 (a few lines in your own loop)::
         if (step + 1) % 100 == 0:
             with run.phase("checkpoint_save"):  # a slow phase gets the checkpoint timeout, not the step one
                 save_checkpoint(step + 1)
-        if run.should_stop():                  # an operator pressed Stop (rank-local, never a collective)
+        if run.stop_requested():               # an operator pressed Stop (rank-local, never a collective)
             break
 
 Level 2 (your training function is what restarts re-enter; one resume path for every restart layer)::
@@ -27,7 +27,7 @@ Level 2 (your training function is what restarts re-enter; one resume path for e
             optimizer.step(); optimizer.zero_grad()
             ctx.step(step + 1, loss=loss.item())
             ctx.checkpoint.maybe_save(step + 1)        # async DCP at the job's interval
-            if ctx.should_stop():
+            if ctx.should_stop():                      # agreed across ranks: all stop at the same step
                 break
 
     if __name__ == "__main__":
@@ -47,6 +47,7 @@ if __name__ != "unbroken":  # one module, one name: two would be two copies with
 
 import contextlib
 import os
+import warnings
 
 import functools
 from collections.abc import Callable
@@ -63,6 +64,9 @@ __all__ = ["PHASES", "Context", "Run", "checkpoint_dir", "entrypoint", "init", "
 #: The phases ``Run.phase`` takes. ``checkpoint_save``, ``checkpoint_load`` and ``eval`` are slow: the
 #: job's checkpoint timeout applies while in them. ``checkpoint`` is short for ``checkpoint_save``.
 PHASES = ("checkpoint_save", "checkpoint_load", "eval", "data", "checkpoint")
+
+
+_should_stop_warned = False
 
 
 class Run:
@@ -116,15 +120,27 @@ class Run:
         phase = _Phase.CHECKPOINT_SAVE if name == "checkpoint" else _Phase(name)
         return self._impl.in_phase(phase, slow=phase in _SLOW)
 
-    def should_stop(self) -> bool:
-        """True once an operator asked this job to stop. Rank-local (no collective): every rank sees it
-        within about two report intervals; to stop all ranks at the same step, all-reduce the flag.
+    def stop_requested(self) -> bool:
+        """True once an operator asked this job to stop. Rank-local (no collective), unlike Level 2's
+        ``ctx.should_stop()``: every rank sees it within about two report intervals, not necessarily at
+        the same step. To stop all ranks at the same step, all-reduce the flag:
 
-            stop = torch.tensor(int(run.should_stop()))
+            stop = torch.tensor(int(run.stop_requested()))
             dist.all_reduce(stop, op=dist.ReduceOp.MAX)
             if stop.item(): break
         """
         return self._impl is not None and self._impl.stop_requested
+
+    def should_stop(self) -> bool:
+        """Deprecated: the rank-local ``stop_requested()`` under its old name (Level 2's
+        ``ctx.should_stop()`` is agreed across ranks; this never was). Warns once."""
+        global _should_stop_warned
+        if not _should_stop_warned:
+            _should_stop_warned = True
+            warnings.warn("unbroken: run.should_stop() is deprecated: use run.stop_requested() (rank-local; "
+                          "all-reduce it to stop every rank at the same step)",
+                          DeprecationWarning, stacklevel=2)
+        return self.stop_requested()
 
     def close(self) -> None:
         """Nothing to do: the product closes the run when the code returns. Here for symmetry."""
