@@ -33,13 +33,26 @@ from trainer.config import TrainConfig
 from trainer.evidence import exception_text
 from trainer.runtime import RankEnv, Session, connect_store
 from trainer.usercode import UserRun
-from trainer.wire import CheckpointMode, CommandKind, CycleMark, DrillFault, EventKind, FaultClass, Layer, Phase
+from trainer.wire import (SLOW_PHASES, CheckpointMode, CommandKind, CycleMark, DrillFault, EventKind,
+                          FaultClass, Layer, Phase)
 
 log = logging.getLogger(__name__)
+
+#: The phases ``Run.phase`` and ``Context.phase`` take. ``checkpoint_save``, ``checkpoint_load`` and
+#: ``eval`` are slow: the job's checkpoint timeout applies while in them. ``checkpoint`` is short for
+#: ``checkpoint_save``.
+PHASES = ("checkpoint_save", "checkpoint_load", "eval", "data", "checkpoint")
 
 PG_BEFORE_ENTRYPOINT = (
     "unbroken: a process group exists before the entrypoint runs. Create it inside the entrypoint with "
     "ctx.init_process_group(), not before it: an in-process restart re-creates it for every attempt.")
+
+
+def phase_of(name: str, call: str) -> Phase:
+    """The wire phase of a user's phase name (one of ``PHASES``); ``call`` names the call in the error."""
+    if name not in PHASES:
+        raise ValueError(f"unbroken: {call}({name!r}): choose one of {', '.join(PHASES)}")
+    return Phase.CHECKPOINT_SAVE if name == "checkpoint" else Phase(name)
 
 
 def pick_device(cfg: TrainConfig, env: RankEnv) -> torch.device:
@@ -209,8 +222,8 @@ class CheckpointAPI:
 
 class Context:
     """What the entrypoint receives, once per attempt: ``rank``, ``world_size``, ``device``,
-    ``iteration``, ``init_process_group()``, ``step(...)``, ``checkpoint`` and ``should_stop()``. Outside
-    the product only ``init_process_group`` does anything."""
+    ``iteration``, ``init_process_group()``, ``step(...)``, ``checkpoint``, ``phase(...)`` and
+    ``should_stop()``. Outside the product only ``init_process_group`` does anything."""
 
     def __init__(self, *, session: Session | None, scope: Any, impl: UserRun | None, pacer: Any = None):
         self._session, self._scope, self._impl = session, scope, impl
@@ -344,6 +357,22 @@ class Context:
         """True once an operator asked the job to stop; the same answer on every rank at the same step
         (agreed in ``step``). Save and return: ``ctx.checkpoint.save(step, sync=True)``."""
         return self._stop
+
+    def phase(self, name: str) -> contextlib.AbstractContextManager[None]:
+        """A context for a phase that is not a training step: ``checkpoint_save``, ``checkpoint_load``,
+        ``eval`` or ``data`` (see ``unbroken.PHASES``). The rank's heartbeats carry it, so a slow one
+        (``eval``, a checkpoint of your own) gets the job's checkpoint timeout instead of the step timeout
+        from the control plane and ft_launcher. The in-process layer's hang timeouts still run from the
+        last ``step`` (as during the SDK's own saves): with in-process restarts on, keep a phase shorter
+        than its soft timeout.
+
+            with ctx.phase("eval"):
+                val_loss = evaluate(model)
+        """
+        phase = phase_of(name, "ctx.phase")
+        if self._session is None or self._impl is None:
+            return contextlib.nullcontext()
+        return self._impl.in_phase(phase, slow=phase in SLOW_PHASES)
 
     def _finish(self) -> None:
         """The entrypoint returned: finish the in-flight save, leave the process groups."""

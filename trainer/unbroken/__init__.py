@@ -27,6 +27,9 @@ Level 2 (your training function is what restarts re-enter; one resume path for e
             optimizer.step(); optimizer.zero_grad()
             ctx.step(step + 1, loss=loss.item())
             ctx.checkpoint.maybe_save(step + 1)        # async DCP at the job's interval
+            if (step + 1) % 500 == 0:
+                with ctx.phase("eval"):                # the checkpoint timeout, not the step one
+                    evaluate(model)
             if ctx.should_stop():                      # agreed across ranks: all stop at the same step
                 break
 
@@ -54,16 +57,12 @@ from collections.abc import Callable
 from typing import Any
 
 from trainer import usercode as _usercode
-from trainer.fullrun import Context
+from trainer.fullrun import PHASES, Context
+from trainer.fullrun import phase_of as _phase_of
 from trainer.fullrun import run as _run_full
 from trainer.wire import SLOW_PHASES as _SLOW
-from trainer.wire import Phase as _Phase
 
 __all__ = ["PHASES", "Context", "Run", "checkpoint_dir", "entrypoint", "init", "restart_count"]
-
-#: The phases ``Run.phase`` takes. ``checkpoint_save``, ``checkpoint_load`` and ``eval`` are slow: the
-#: job's checkpoint timeout applies while in them. ``checkpoint`` is short for ``checkpoint_save``.
-PHASES = ("checkpoint_save", "checkpoint_load", "eval", "data", "checkpoint")
 
 
 _should_stop_warned = False
@@ -113,11 +112,9 @@ class Run:
             with run.phase("eval"):
                 val_loss = evaluate(model)
         """
-        if name not in PHASES:
-            raise ValueError(f"unbroken: run.phase({name!r}): choose one of {', '.join(PHASES)}")
+        phase = _phase_of(name, "run.phase")
         if self._impl is None:
             return contextlib.nullcontext()
-        phase = _Phase.CHECKPOINT_SAVE if name == "checkpoint" else _Phase(name)
         return self._impl.in_phase(phase, slow=phase in _SLOW)
 
     def stop_requested(self) -> bool:
