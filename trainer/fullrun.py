@@ -1,6 +1,6 @@
 """The SDK's full level (Level 2): the user's training function is what the restart layers re-enter.
 
-``unbroken.entrypoint`` / ``unbroken.run`` land here. Under the product (the shim started this process)
+``unbroken.entrypoint`` lands here. Under the product (the shim started this process)
 the function runs inside the resilience layers (``trainer.resilience``: the NVRx in-process Wrapper
 when the job has in-process restarts, ft_launcher heartbeats), and its
 ``Context`` gives it, per attempt: the process group (``init_process_group``), restore and async DCP
@@ -33,13 +33,26 @@ from trainer.config import TrainConfig
 from trainer.evidence import exception_text
 from trainer.runtime import RankEnv, Session, connect_store
 from trainer.usercode import UserRun
-from trainer.wire import CheckpointMode, CommandKind, CycleMark, DrillFault, EventKind, FaultClass, Layer, Phase
+from trainer.wire import (SLOW_PHASES, CheckpointMode, CommandKind, CycleMark, DrillFault, EventKind,
+                          FaultClass, Layer, Phase)
 
 log = logging.getLogger(__name__)
+
+#: The phases ``Run.phase`` and ``Context.phase`` take. ``checkpoint_save``, ``checkpoint_load`` and
+#: ``eval`` are slow: the job's checkpoint timeout applies while in them. ``checkpoint`` is short for
+#: ``checkpoint_save``.
+PHASES = ("checkpoint_save", "checkpoint_load", "eval", "data", "checkpoint")
 
 PG_BEFORE_ENTRYPOINT = (
     "unbroken: a process group exists before the entrypoint runs. Create it inside the entrypoint with "
     "ctx.init_process_group(), not before it: an in-process restart re-creates it for every attempt.")
+
+
+def phase_of(name: str, call: str) -> Phase:
+    """The wire phase of a user's phase name (one of ``PHASES``); ``call`` names the call in the error."""
+    if name not in PHASES:
+        raise ValueError(f"unbroken: {call}({name!r}): choose one of {', '.join(PHASES)}")
+    return Phase.CHECKPOINT_SAVE if name == "checkpoint" else Phase(name)
 
 
 def pick_device(cfg: TrainConfig, env: RankEnv) -> torch.device:
@@ -143,24 +156,23 @@ class CheckpointAPI:
         ctx = self._ctx
         if ctx is None:
             return 0
-        if ctx.ckpt_pg is None:
+        if ctx._ckpt_pg is None:
             raise RuntimeError("unbroken: call ctx.init_process_group() before ctx.checkpoint.restore(...)")
         bad = [k for k, v in stateful.items() if not isinstance(v, Stateful)]
         if bad:
             raise TypeError(f"unbroken: ctx.checkpoint.restore({bad[0]}=...): needs state_dict() and "
                             "load_state_dict() (torch.distributed.checkpoint.stateful.Stateful)")
-        s = ctx.session
+        s = ctx._session
         self._state = _AppState(model=model, optim=optim, extra=stateful, rank=dist.get_rank())
         self._checkpointer = Checkpointer(root=s.cfg.ckpt_dir, mode=s.cfg.ckpt_mode, keep=s.cfg.keep_ckpts,
-                                          pg=ctx.ckpt_pg, report=s.reporter.event, atomic=ctx.scope.atomic,
+                                          pg=ctx._ckpt_pg, report=s.reporter.event, atomic=ctx._scope.atomic,
                                           memory=s.snapshot, local_dir=s.cfg.local_ckpt_dir)
         s.checkpointer = self._checkpointer
         s.reporter.heartbeat(step=0, phase=Phase.CHECKPOINT_LOAD)
         with ctx._impl.keep_alive():  # type: ignore[union-attr]
             start = self._checkpointer.load(self._state) or 0
         self.restored_from = self._checkpointer.restored_from
-        s.mark(ctx.cycle, CycleMark.CHECKPOINT_LOADED, step=start, restored_from=self.restored_from)
-        ctx.resumed_from = start
+        s.mark(ctx._cycle, CycleMark.CHECKPOINT_LOADED, step=start, restored_from=self.restored_from)
         return start
 
     def wait_for_staging(self) -> None:
@@ -181,7 +193,7 @@ class CheckpointAPI:
         ctx = self._ctx
         if ctx is None or self._checkpointer is None or self._state is None:
             return False
-        interval = ctx.session.cfg.ckpt_interval
+        interval = ctx._session.cfg.ckpt_interval
         if not interval or step % interval:
             return False
         self.save(step)
@@ -193,8 +205,8 @@ class CheckpointAPI:
         if ctx is None or self._checkpointer is None or self._state is None:
             return
         mode = CheckpointMode.SYNC if sync else None
-        if sync or ctx.session.cfg.ckpt_mode == CheckpointMode.SYNC:
-            ctx.session.reporter.heartbeat(step=step, phase=Phase.CHECKPOINT_SAVE)
+        if sync or ctx._session.cfg.ckpt_mode == CheckpointMode.SYNC:
+            ctx._session.reporter.heartbeat(step=step, phase=Phase.CHECKPOINT_SAVE)
         with ctx._impl.keep_alive():  # type: ignore[union-attr]
             self._checkpointer.save(self._state, step, mode=mode)
         if not self._overlap:  # nobody waits before optimizer.step(): finish the copy now
@@ -204,61 +216,70 @@ class CheckpointAPI:
         if self._checkpointer is not None:
             self._checkpointer.wait()
             self._checkpointer.close()
-            self._ctx.session.checkpointer = None  # type: ignore[union-attr]
+            self._ctx._session.checkpointer = None  # type: ignore[union-attr]
             self._checkpointer = None
 
 
 class Context:
-    """What the entrypoint receives, once per attempt (``iteration`` counts in-process restarts)."""
+    """What the entrypoint receives, once per attempt: ``rank``, ``world_size``, ``device``,
+    ``iteration``, ``init_process_group()``, ``step(...)``, ``checkpoint``, ``phase(...)`` and
+    ``should_stop()``. Outside the product only ``init_process_group`` does anything."""
 
     def __init__(self, *, session: Session | None, scope: Any, impl: UserRun | None, pacer: Any = None):
-        self.session, self.scope, self._impl = session, scope, impl
+        self._session, self._scope, self._impl = session, scope, impl
         self._pacer = pacer  # the in-process layer's progress (ProgressMark)
-        self.iteration: int = getattr(scope, "iteration", 0)
-        self.ckpt_pg: Any = None
+        self._iteration: int = getattr(scope, "iteration", 0)
+        self._ckpt_pg: Any = None
         self._ctl_pg: Any = None
         self._control: Control | None = None
         self._stop = False
         self._last_t: float | None = None
         self._first = True
-        self.resumed_from = 0
         self.checkpoint = CheckpointAPI(self if session is not None else None)
-        self.cycle = session.cycle(self.iteration) if session is not None else None
+        self._cycle = session.cycle(self._iteration) if session is not None else None
         if impl is not None:
             impl.busy.reset()
         if session is not None:
-            session.iteration = self.iteration
-            if self.iteration > 0:
+            session.iteration = self._iteration
+            if self._iteration > 0:
                 session.reporter.event(EventKind.RANK_STARTED, {
-                    "iteration": self.iteration, "restart_count": session.env.restart_count,
+                    "iteration": self._iteration, "restart_count": session.env.restart_count,
                     "world_size": int(os.environ["WORLD_SIZE"]), "pid": os.getpid(),
                     "initial_rank": session.env.initial_rank})
                 session.ft.start()
 
     @property
+    def iteration(self) -> int:
+        """How many in-process restarts came before this attempt (0 on the first)."""
+        return self._iteration
+
+    @property
     def rank(self) -> int:
+        """This process's rank in the default process group (``RANK`` before it exists)."""
         return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
 
     @property
     def world_size(self) -> int:
+        """The number of ranks (``WORLD_SIZE`` before the process group exists)."""
         return dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
 
     @property
     def device(self) -> torch.device:
-        if self.session is not None:
-            return self.session.device
+        """The device this rank trains on: its GPU (``LOCAL_RANK``) where the job uses CUDA, else the CPU."""
+        if self._session is not None:
+            return self._session.device
         if torch.cuda.is_available():
             return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         return torch.device("cpu")
 
     def init_process_group(self) -> None:
         """The default process group for this attempt (NCCL on GPU, gloo on CPU), on a fresh store prefix."""
-        if self.session is None:
+        if self._session is None:
             if not dist.is_initialized():
                 dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo")
             return
-        self.ckpt_pg, self._ctl_pg = init_distributed(self.session, self.iteration)
-        s = self.session
+        self._ckpt_pg, self._ctl_pg = init_distributed(self._session, self._iteration)
+        s = self._session
         rank = dist.get_rank()
         self._control = Control(inbox=s.inbox if rank == 0 else None, pg=self._ctl_pg, rank=rank,
                                 world_size=dist.get_world_size(), in_process=s.cfg.in_process,
@@ -269,7 +290,7 @@ class Context:
         """Report step ``step`` completed; every rank calls it once per step (ranks agree on commands
         with one tiny broadcast, collected a step later so that no rank waits for the slowest here).
         A non-finite ``loss`` is a fault: the attempt restarts from the last durable checkpoint."""
-        s = self.session
+        s = self._session
         if s is None:
             return
         impl = self._impl
@@ -307,7 +328,7 @@ class Context:
         s.last_loss = loss
         if self._first:
             self._first = False
-            s.mark(self.cycle, CycleMark.FIRST_STEP, step=step)
+            s.mark(self._cycle, CycleMark.FIRST_STEP, step=step)
         decision = self._control.agree_overlapped(step, dt)
         if decision.kind is None:
             return
@@ -337,9 +358,25 @@ class Context:
         (agreed in ``step``). Save and return: ``ctx.checkpoint.save(step, sync=True)``."""
         return self._stop
 
+    def phase(self, name: str) -> contextlib.AbstractContextManager[None]:
+        """A context for a phase that is not a training step: ``checkpoint_save``, ``checkpoint_load``,
+        ``eval`` or ``data`` (see ``unbroken.PHASES``). The rank's heartbeats carry it, so a slow one
+        (``eval``, a checkpoint of your own) gets the job's checkpoint timeout instead of the step timeout
+        from the control plane and ft_launcher. The in-process layer's hang timeouts still run from the
+        last ``step`` (as during the SDK's own saves): with in-process restarts on, keep a phase shorter
+        than its soft timeout.
+
+            with ctx.phase("eval"):
+                val_loss = evaluate(model)
+        """
+        phase = phase_of(name, "ctx.phase")
+        if self._session is None or self._impl is None:
+            return contextlib.nullcontext()
+        return self._impl.in_phase(phase, slow=phase in SLOW_PHASES)
+
     def _finish(self) -> None:
         """The entrypoint returned: finish the in-flight save, leave the process groups."""
-        if self.session is None:
+        if self._session is None:
             return
         self.checkpoint._close()
         if self._control is not None:

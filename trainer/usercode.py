@@ -357,7 +357,7 @@ class UserRun:
     def _commands(self) -> None:
         """Act on commands at a step boundary: every rank receives them; rank 0 (or the target) acks.
         Before the first step nothing acts: the code may still be importing, and one that reaches
-        ``unbroken.run`` leaves its commands to the SDK's full level (agreed across ranks)."""
+        ``unbroken.entrypoint`` leaves its commands to the SDK's full level (agreed across ranks)."""
         if self.level == 0 and not self.progress_seen:
             return
         cmd = self.inbox.peek()
@@ -376,7 +376,7 @@ class UserRun:
                 return
             self.inbox.done(cid)
             if acks:
-                self.reporter.event(*ack_event(cid, True, "should_stop() is now true"))
+                self.reporter.event(*ack_event(cid, True, "stop_requested() is now true"))
             return
         self.inbox.done(cid)
         if kind == CommandKind.RESTART and cmd.get("level") == Layer.IN_JOB and self.env.in_job:
@@ -447,7 +447,8 @@ class UserRun:
     # -- Level 1 ----------------------------------------------------------------------------------------
 
     def upgrade(self, level: int = 1) -> None:
-        """``unbroken.init()`` (1) or ``unbroken.run()`` (2) was called: the loop reports from now on."""
+        """``unbroken.init()`` (1) or an ``unbroken.entrypoint`` function (2) was called: the loop reports
+        from now on."""
         if self.level >= level:
             return
         had_ft, self.level = self.level >= 1, level

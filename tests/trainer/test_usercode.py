@@ -69,7 +69,7 @@ def test_it_finds_code_that_cannot_start_before_any_rank_runs(tmp_path, monkeypa
 
 def test_the_sdk_does_nothing_outside_the_product():
     run = unbroken.init()
-    assert not run.active and not run.should_stop()
+    assert not run.active and not run.stop_requested()
     run.step(1, loss=0.5)
     with run.phase("eval"):
         pass

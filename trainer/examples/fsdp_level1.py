@@ -87,7 +87,7 @@ def main() -> None:
                 dist.barrier()
                 if rank == 0:
                     open(os.path.join(path, "DONE"), "w").close()
-        if run.should_stop():  # unbroken (a real script would all-reduce it: see unbroken.Run.should_stop)
+        if run.stop_requested():  # unbroken (a real script would all-reduce it: see Run.stop_requested)
             break
     if rank == 0 and loss is not None:  # None: resumed from a checkpoint of the last step, nothing left
         print(f"FINAL_LOSS {loss.item()!r}", flush=True)

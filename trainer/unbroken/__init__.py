@@ -11,7 +11,7 @@ Level 1 (a few lines in your own loop)::
         if (step + 1) % 100 == 0:
             with run.phase("checkpoint_save"):  # a slow phase gets the checkpoint timeout, not the step one
                 save_checkpoint(step + 1)
-        if run.should_stop():                  # an operator pressed Stop (rank-local, never a collective)
+        if run.stop_requested():               # an operator pressed Stop (rank-local, never a collective)
             break
 
 Level 2 (your training function is what restarts re-enter; one resume path for every restart layer)::
@@ -27,7 +27,10 @@ Level 2 (your training function is what restarts re-enter; one resume path for e
             optimizer.step(); optimizer.zero_grad()
             ctx.step(step + 1, loss=loss.item())
             ctx.checkpoint.maybe_save(step + 1)        # async DCP at the job's interval
-            if ctx.should_stop():
+            if (step + 1) % 500 == 0:
+                with ctx.phase("eval"):                # the checkpoint timeout, not the step one
+                    evaluate(model)
+            if ctx.should_stop():                      # agreed across ranks: all stop at the same step
                 break
 
     if __name__ == "__main__":
@@ -42,24 +45,27 @@ Without any of these calls (Level 0), the product still supervises the script: s
 
 from __future__ import annotations
 
+if __name__ != "unbroken":  # one module, one name: two would be two copies with their own state
+    raise ImportError(f"the SDK is imported as `import unbroken`, not `import {__name__}`")
+
 import contextlib
 import os
+import warnings
 
 import functools
 from collections.abc import Callable
 from typing import Any
 
 from trainer import usercode as _usercode
-from trainer.fullrun import Context
+from trainer.fullrun import PHASES, Context
+from trainer.fullrun import phase_of as _phase_of
 from trainer.fullrun import run as _run_full
 from trainer.wire import SLOW_PHASES as _SLOW
-from trainer.wire import Phase as _Phase
 
-__all__ = ["PHASES", "Context", "Run", "checkpoint_dir", "entrypoint", "init", "restart_count", "run"]
+__all__ = ["PHASES", "Context", "Run", "checkpoint_dir", "entrypoint", "init", "restart_count"]
 
-#: The phases ``Run.phase`` takes. ``checkpoint_save``, ``checkpoint_load`` and ``eval`` are slow: the
-#: job's checkpoint timeout applies while in them. ``checkpoint`` is short for ``checkpoint_save``.
-PHASES = ("checkpoint_save", "checkpoint_load", "eval", "data", "checkpoint")
+
+_should_stop_warned = False
 
 
 class Run:
@@ -106,22 +112,32 @@ class Run:
             with run.phase("eval"):
                 val_loss = evaluate(model)
         """
-        if name not in PHASES:
-            raise ValueError(f"unbroken: run.phase({name!r}): choose one of {', '.join(PHASES)}")
+        phase = _phase_of(name, "run.phase")
         if self._impl is None:
             return contextlib.nullcontext()
-        phase = _Phase.CHECKPOINT_SAVE if name == "checkpoint" else _Phase(name)
         return self._impl.in_phase(phase, slow=phase in _SLOW)
 
-    def should_stop(self) -> bool:
-        """True once an operator asked this job to stop. Rank-local (no collective): every rank sees it
-        within about two report intervals; to stop all ranks at the same step, all-reduce the flag.
+    def stop_requested(self) -> bool:
+        """True once an operator asked this job to stop. Rank-local (no collective), unlike Level 2's
+        ``ctx.should_stop()``: every rank sees it within about two report intervals, not necessarily at
+        the same step. To stop all ranks at the same step, all-reduce the flag:
 
-            stop = torch.tensor(int(run.should_stop()))
+            stop = torch.tensor(int(run.stop_requested()))
             dist.all_reduce(stop, op=dist.ReduceOp.MAX)
             if stop.item(): break
         """
         return self._impl is not None and self._impl.stop_requested
+
+    def should_stop(self) -> bool:
+        """Deprecated: the rank-local ``stop_requested()`` under its old name (Level 2's
+        ``ctx.should_stop()`` is agreed across ranks; this never was). Warns once."""
+        global _should_stop_warned
+        if not _should_stop_warned:
+            _should_stop_warned = True
+            warnings.warn("unbroken: run.should_stop() is deprecated: use run.stop_requested() (rank-local; "
+                          "all-reduce it to stop every rank at the same step)",
+                          DeprecationWarning, stacklevel=2)
+        return self.stop_requested()
 
     def close(self) -> None:
         """Nothing to do: the product closes the run when the code returns. Here for symmetry."""
@@ -157,8 +173,10 @@ def checkpoint_dir() -> str | None:
     return os.environ.get(_usercode.ENV_CHECKPOINT_DIR) or None
 
 
-def run(fn: Callable[[Context], Any]) -> Any:
-    """Run ``fn(ctx)`` as the unit the product's restart layers re-enter (Level 2); see ``entrypoint``.
+def entrypoint(fn: Callable[[Context], Any]) -> Callable[[], Any]:
+    """Decorate your training function ``fn(ctx)`` (Level 2); calling the result with no arguments runs
+    ``fn`` as the unit the product's restart layers re-enter (see the module docstring's example). A job
+    spec can name it directly: ``"entrypoint": "pkg.train:train"``.
 
     Rules for ``fn``: create the process group with ``ctx.init_process_group()`` inside it (never
     before: that is refused); build the model, optimizer and data inside it, or make what lives across
@@ -166,18 +184,10 @@ def run(fn: Callable[[Context], Any]) -> Any:
     let exceptions propagate (a bare ``except:`` or ``except BaseException`` blocks the restart, and
     ``sys.exit(n)`` ends the job); call ``ctx.step`` on every rank every step.
     """
-    return _run_full(fn, _usercode.current())
-
-
-def entrypoint(fn: Callable[[Context], Any]) -> Callable[[], Any]:
-    """Decorate your training function ``fn(ctx)``; calling it with no arguments runs it through
-    ``unbroken.run`` (see the module docstring's Level-2 example). A job spec can name it directly:
-    ``"entrypoint": "pkg.train:train"``.
-    """
 
     @functools.wraps(fn)
     def start() -> Any:
-        return run(fn)
+        return _run_full(fn, _usercode.current())
 
     start.__unbroken_entrypoint__ = True  # type: ignore[attr-defined]
     return start

@@ -126,7 +126,7 @@ def test_a_level0_job_is_stopped_without_the_trainers_grace_and_the_confirmation
     page = c.post(reverse("dashboard:job_stop", args=[job.pk])).content.decode()
     assert "cannot save on a stop: its processes are terminated now" in page
 
-    hello(1, 0)  # unbroken.init() ran: the loop sees should_stop() and saves
+    hello(1, 0)  # unbroken.init() ran: the loop sees stop_requested() and saves
     assert services.stop_grace_s(job) == launcher_port.TRAINER_STOP_GRACE_S
     page = c.post(reverse("dashboard:job_stop", args=[job.pk])).content.decode()
     assert "saves a final checkpoint" in page

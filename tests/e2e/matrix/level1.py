@@ -59,7 +59,7 @@ def main() -> None:
         run.step(step + 1, loss=loss.item())
         if rank == 0:
             print(f"step {step + 1} loss {loss.item():.5f}", flush=True)
-        if run.should_stop():
+        if run.stop_requested():
             break
         inject.at_step(step + 1, rank)
         if (step + 1) % args.ckpt_every == 0:
