@@ -320,6 +320,7 @@ class UserRun:
         if step > self.step_no:
             self.step_no, self.loss, self.phase = step, loss, Phase.TRAIN
             self._moved_at, self._stacks_written = time.monotonic(), False
+            self.progress_seen = True  # training moves, though this rank prints nothing
             if not self._first_step_marked:
                 self._first_step_marked = True
                 self._mark(CycleMark.FIRST_STEP, step=step)
