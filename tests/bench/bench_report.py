@@ -42,6 +42,7 @@ os.environ.setdefault("UNBROKEN_SECRET_KEY_FILE", str(ROOT / "var" / "secret_key
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "controlplane.settings")
 
 import django  # noqa: E402
+import msgspec  # noqa: E402
 
 django.setup()
 
@@ -52,8 +53,7 @@ from controlplane.jobs import drill_plan, projection, services  # noqa: E402
 from controlplane.jobs.models import Job  # noqa: E402
 from controlplane.jobs.resilience_report import build_report  # noqa: E402
 from controlplane.jobs.spec import DEMO_SPEC, Drill  # noqa: E402
-from controlplane.launchers.command import trainer_args  # noqa: E402
-from tests.trainer.conftest import launch  # noqa: E402
+from tests.trainer.conftest import launch_spec  # noqa: E402
 from trainer.ports import free_port  # noqa: E402
 
 MIXED = ("exception", "hang", "sigkill", "nan_loss", "hang_collective")
@@ -82,13 +82,14 @@ def start_server() -> tuple[subprocess.Popen, str]:
 
 def run_job(name: str, spec, url: str) -> Job:
     """Create the job, run it to the end reporting to ``url``, mark it finished."""
+    # Each drill is a restart of its own: room for all of them (and two more) in-job.
+    spec = msgspec.structs.replace(spec, max_in_job_restarts=len(spec.drills) + 2, heartbeat_interval_s=1.0)
     job = services.create_job(name=name, spec=spec, created_by=None, launch=False)
     token = job.issue_token()
     job.save(update_fields=["token_hash"])
     Job.objects.filter(pk=job.pk).update(status="running", started_at=timezone.now())
     run_dir = Path(tempfile.mkdtemp(prefix=f"bench-report-{job.pk}-", dir=DATA))
-    run = launch(run_dir, trainer_flags=trainer_args(spec), report_url=url, job_id=str(job.pk), token=token,
-                 max_restarts=len(spec.drills) + 2, timeout_s=1800, report_interval=1.0)
+    run = launch_spec(run_dir, spec, report_url=url, job_id=str(job.pk), token=token, timeout_s=1800)
     (run_dir / "launch.log").write_text(run.log)
     time.sleep(3)  # the reporters' last batches
     job.refresh_from_db()
