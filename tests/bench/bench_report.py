@@ -151,9 +151,7 @@ def main() -> int:
         fixed = r.goodput["startup_s"] + r.goodput["idle_s"]
         drills, steps = poisson_drills(a.faults, steps_per_fault=a.steps_per_fault,
                                        interval=base.checkpoint_interval, world=base.world_size, seed=a.seed)
-        import dataclasses
-
-        measured_spec = dataclasses.replace(base, drills=drills, steps=steps)
+        measured_spec = msgspec.structs.replace(base, drills=drills, steps=steps)
         log(f"measured run: {len(drills)} faults over {steps} steps: "
             + ", ".join(f"{d.step}:{d.fault}:{d.rank}" for d in drills))
         run = run_job("measured run", measured_spec, url)
