@@ -360,8 +360,10 @@ class LauncherHooks:
         # A rank whose loop stopped beating wrote its stacks (PacedFt) before ft_launcher's timeout ended it.
         stack = read_hang_stack(self.run_dir, rank, since=detected_at - 2 * self.step_timeout_s - 5) \
             if self.run_dir and type(rank) is int else ""
-        fault = facts.get("fault") or (FaultClass.HANG if stack else FaultClass.PROCESS_KILLED if sig
-                                       else FaultClass.EXCEPTION)
+        code = failures.get(own, {}).get("exitcode") if own is not None else None
+        # Exit 128+N: how a shell or a container runtime reports a process a signal ended (137: the OOM killer).
+        fault = facts.get("fault") or (FaultClass.HANG if stack else FaultClass.PROCESS_KILLED
+                                       if sig or (code or 0) >= 128 else FaultClass.EXCEPTION)
         cycle = cycle_key(attempt=self.attempt, restart_count=round_ + 1) if will_restart else None
         self.reporter.event(EventKind.FAULT, {
             "fault": fault, "cycle": cycle, "detected_by": "launcher", "rank": rank,
@@ -413,7 +415,8 @@ class LauncherHooks:
         over the launch's rounds."""
         if not self.rules:
             return None
-        cases = [Facts(fault_class=facts.get("fault") or (FaultClass.PROCESS_KILLED if f["signal"]
+        cases = [Facts(fault_class=facts.get("fault") or (FaultClass.PROCESS_KILLED
+                                                            if f["signal"] or (f["exitcode"] or 0) >= 128
                                                             else FaultClass.EXCEPTION),
                        exit_code=f["exitcode"] if (f["exitcode"] or 0) > 0 else None,
                        signal=signal_name(f["signal"]) if f["signal"] else None,

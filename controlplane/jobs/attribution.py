@@ -178,7 +178,20 @@ def episodes(faults: list[Fault]) -> list[list[Fault]]:
 
 def attribute(job: Job, around: Iterable[datetime] = (), *, now: datetime | None = None) -> int:
     """Re-attribute the faults of ``job`` near the times ``around`` (all of them when empty). Returns the
-    number of faults whose attribution changed."""
+    number of faults whose attribution changed.
+
+    Inside a transaction, the pass runs again once it commits: two transactions that record faults of one
+    failure at the same moment (the watchdog's lost heartbeats, the launcher's report through ingest) each
+    see only their own until then, so each would make its faults a failure of their own. The pass after
+    the later commit sees both."""
+    times = tuple(around)
+    changed = _attribute(job, times, now=now)
+    if transaction.get_connection().in_atomic_block:
+        transaction.on_commit(lambda: _attribute(job, times), robust=True)
+    return changed
+
+
+def _attribute(job: Job, around: Iterable[datetime] = (), *, now: datetime | None = None) -> int:
     now = now or timezone.now()
     times = sorted(around)
     qs = Fault.objects.filter(job=job).select_related("cycle").order_by("at", "id")

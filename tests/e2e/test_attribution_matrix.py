@@ -40,7 +40,7 @@ EXPECTED_CLASS = {"sigkill": FaultClass.PROCESS_KILLED, "exception": FaultClass.
 # ``make test`` runs one cell per failure, spread over the levels and ranks; MATRIX_FULL=1 (and the
 # benchmark) runs every cell.
 REPRESENTATIVE = {"level0-sigkill-r1", "level0-hang-r1", "level1-exception-r1", "level1-hang-r1", "level2-sigkill_save-r0",
-                  "level0-exit137-r1", "level2-import-r0", "level2-sigkill-r1"}
+                  "level0-exit137-r1", "level2-import-r0", "level2-sigkill-r1", "level2-exit137-r1"}
 FULL = os.environ.get("MATRIX_FULL") == "1"
 STEP = 25  # the injected failure's step (saves every 10: the save-time kill hits step 30's save)
 
@@ -106,7 +106,8 @@ def run_cell(tmp_path: Path, level: int, failure: str, rank: int, *, timeout_s: 
         "cell": f"level{level}-{failure}-r{rank}", "job": job.pk, "status": job.status,
         "status_reason": job.status_reason, "injected": injected_at is not None,
         "primaries": [(f.rank, f.fault_class, f.count) for f in primaries],
-        "faults": [(f.pk, f.rank, f.fault_class, f.primary_id, f.link, f.why, (f.message or "")[:200])
+        "faults": [(f.pk, f.rank, f.fault_class, f.primary_id, f.link, f.why, (f.message or "")[:200],
+                    f"at {f.at:%H:%M:%S.%f} detected {f.detected_at:%H:%M:%S.%f} cycle {f.cycle.key if f.cycle else None}")
                    for f in faults],
         "primary_correct": len(primaries) == 1
         and primaries[0].fault_class == EXPECTED_CLASS[failure]

@@ -11,7 +11,7 @@ from controlplane.jobs import evidence, ingestion, supervision
 from controlplane.jobs.models import Fault, Job, RestartCycle
 from controlplane.launchers import services
 from controlplane.launchers.base import LaunchFault
-from tests.controlplane.conftest import batch, ev, make_job
+from tests.controlplane.conftest import batch, ev, make_job, needs_postgres
 from trainer.wire import parse_batch
 
 pytestmark = pytest.mark.django_db
@@ -200,3 +200,42 @@ def test_code_that_cannot_start_fails_the_job_without_counting_job_level_restart
     job.refresh_from_db()
     assert job.status == "failed" and "used up" not in job.status_reason, job.status_reason
     assert job.attempt == 0 and not Fault.objects.filter(job=job).exists()
+
+
+@needs_postgres()
+@pytest.mark.django_db(transaction=True)
+def test_two_transactions_that_record_one_failure_at_once_make_one_primary():
+    """The watchdog's lost heartbeat and the launcher's report of the same hang, each recorded (and
+    attributed) in its own transaction before either commits: neither sees the other's fault then; once
+    both commit, the hang is the one primary (seen as two primaries in the attribution matrix)."""
+    import threading
+
+    from django.db import connection, transaction
+
+    job, _ = make_job(spec={"procs_per_node": 2})
+    t = time.time() - 10
+    both_recorded = threading.Barrier(2, timeout=30)
+    errors = []
+
+    def one(events):
+        try:
+            with transaction.atomic():
+                record(job, events)
+                both_recorded.wait()  # neither has committed yet
+        except Exception as e:  # noqa: BLE001 - reported by the assertion below
+            errors.append(e)
+        finally:
+            connection.close()
+
+    lost = fault_ev("w0", 0, "heartbeat_lost", "no heartbeat from rank 0 for 5.6 s (phase train)", cycle=None,
+                    at=t + 0.2, by="watchdog")
+    hang = fault_ev("h1", 1, "hang", "rank 1: exit -9 (SIGKILL)\n\nStacks of rank 1's threads when its heartbeats "
+                    'stopped:\n  File "/home/u/train.py", line 40 in train_step', at=t, interruption="exit -9 SIGKILL")
+    threads = [threading.Thread(target=one, args=([e],)) for e in (lost, hang)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(60)
+    assert not errors, errors
+    assert [(f.rank, f.fault_class) for f in primaries(job)] == [(1, "hang")], list(
+        Fault.objects.filter(job=job).values("rank", "fault_class", "primary_id", "link"))
