@@ -13,7 +13,8 @@ from controlplane.jobs.models import Job
 LEVEL_LIMITS = {
     0: "Level 0 (unmodified script): process facts only - starts, exits, signals, restarts, tracebacks, and "
        "steps and loss where the script prints them. No phases, no checkpoint ledger, no checkpoint-load "
-       "mark; hangs are seen only as a stall of the printed step. Add the SDK's few lines for more.",
+       "mark; a hang is seen only as the printed step standing still, and ended after the stall timeout. "
+       "Add the SDK's few lines for more.",
     1: "Level 1 (SDK calls): steps, loss, phases, commands and hang detection from the loop's heartbeats. "
        "Your script saves its own checkpoints, so there is no checkpoint ledger or checkpoint-load mark, "
        "and no in-process restart.",
