@@ -55,6 +55,15 @@ def phase_of(name: str, call: str) -> Phase:
     return Phase.CHECKPOINT_SAVE if name == "checkpoint" else Phase(name)
 
 
+def in_phase(impl: UserRun | None, name: str, call: str) -> contextlib.AbstractContextManager[None]:
+    """``run.phase`` and ``ctx.phase``: the name checked everywhere, the phase reported under the product
+    (a slow one with the checkpoint timeout), nothing outside it."""
+    phase = phase_of(name, call)
+    if impl is None:
+        return contextlib.nullcontext()
+    return impl.in_phase(phase, slow=phase in SLOW_PHASES)
+
+
 def pick_device(cfg: TrainConfig, env: RankEnv) -> torch.device:
     if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
@@ -369,10 +378,7 @@ class Context:
             with ctx.phase("eval"):
                 val_loss = evaluate(model)
         """
-        phase = phase_of(name, "ctx.phase")
-        if self._session is None or self._impl is None:
-            return contextlib.nullcontext()
-        return self._impl.in_phase(phase, slow=phase in SLOW_PHASES)
+        return in_phase(self._impl if self._session is not None else None, name, "ctx.phase")
 
     def _finish(self) -> None:
         """The entrypoint returned: finish the in-flight save, leave the process groups."""

@@ -361,9 +361,7 @@ class LauncherHooks:
         stack = read_hang_stack(self.run_dir, rank, since=detected_at - 2 * self.step_timeout_s - 5) \
             if self.run_dir and type(rank) is int else ""
         code = failures.get(own, {}).get("exitcode") if own is not None else None
-        # Exit 128+N: how a shell or a container runtime reports a process a signal ended (137: the OOM killer).
-        fault = facts.get("fault") or (FaultClass.HANG if stack else FaultClass.PROCESS_KILLED
-                                       if sig or (code or 0) >= 128 else FaultClass.EXCEPTION)
+        fault = facts.get("fault") or (FaultClass.HANG if stack else _ended_as(sig, code))
         cycle = cycle_key(attempt=self.attempt, restart_count=round_ + 1) if will_restart else None
         self.reporter.event(EventKind.FAULT, {
             "fault": fault, "cycle": cycle, "detected_by": "launcher", "rank": rank,
@@ -400,8 +398,7 @@ class LauncherHooks:
             own = take_fault(self.app_store, round_, r) or {}
             code, sig = (f["exitcode"], f["signal"]) if f is not None else (None, None)
             exit_words = f"exit {code}" + (f" ({sig})" if sig else "") if f is not None else "no exit yet"
-            fault = own.get("fault") or (FaultClass.HANG if stack else FaultClass.PROCESS_KILLED
-                                         if sig or (code or 0) >= 128 else FaultClass.EXCEPTION)
+            fault = own.get("fault") or (FaultClass.HANG if stack else _ended_as(sig, code))
             self.reporter.event(EventKind.FAULT, {
                 "fault": fault, "cycle": cycle, "detected_by": "launcher", "rank": r,
                 "interruption": f"exit {code}" + (f" {sig}" if sig else "") if f is not None else None,
@@ -415,9 +412,7 @@ class LauncherHooks:
         over the launch's rounds."""
         if not self.rules:
             return None
-        cases = [Facts(fault_class=facts.get("fault") or (FaultClass.PROCESS_KILLED
-                                                            if f["signal"] or (f["exitcode"] or 0) >= 128
-                                                            else FaultClass.EXCEPTION),
+        cases = [Facts(fault_class=facts.get("fault") or _ended_as(f["signal"], f["exitcode"]),
                        exit_code=f["exitcode"] if (f["exitcode"] or 0) > 0 else None,
                        signal=signal_name(f["signal"]) if f["signal"] else None,
                        text=str(facts.get("message") or "")) for f in failures.values()]
@@ -429,6 +424,12 @@ class LauncherHooks:
             if d is not None:
                 return d
         return None
+
+
+def _ended_as(sig: str | None, exitcode: int | None) -> FaultClass:
+    """The class of a worker's end without facts of its own: killed by a signal, or by an exit of 128+N (how
+    a shell or a container runtime reports a signal; 137: the OOM killer); else an exception."""
+    return FaultClass.PROCESS_KILLED if sig or (exitcode or 0) >= 128 else FaultClass.EXCEPTION
 
 
 def _signal_of(exitcode: int | None) -> str | None:

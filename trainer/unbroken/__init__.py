@@ -58,9 +58,8 @@ from typing import Any
 
 from trainer import usercode as _usercode
 from trainer.fullrun import PHASES, Context
-from trainer.fullrun import phase_of as _phase_of
+from trainer.fullrun import in_phase as _in_phase
 from trainer.fullrun import run as _run_full
-from trainer.wire import SLOW_PHASES as _SLOW
 
 __all__ = ["PHASES", "Context", "Run", "checkpoint_dir", "entrypoint", "init", "restart_count"]
 
@@ -112,10 +111,7 @@ class Run:
             with run.phase("eval"):
                 val_loss = evaluate(model)
         """
-        phase = _phase_of(name, "run.phase")
-        if self._impl is None:
-            return contextlib.nullcontext()
-        return self._impl.in_phase(phase, slow=phase in _SLOW)
+        return _in_phase(self._impl, name, "run.phase")
 
     def stop_requested(self) -> bool:
         """True once an operator asked this job to stop. Rank-local (no collective), unlike Level 2's
