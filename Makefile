@@ -17,7 +17,7 @@ NVRX_THIRD := 0.7.0
 NVRX_THIRD_SITE := $(CURDIR)/.nvrx/$(NVRX_THIRD)/site
 NVRX_THIRD_TAGS := --only-binary=:all: --platform manylinux_2_39_x86_64 --python-version 3.12 --implementation cp
 
-.PHONY: up install nvrx-next nvrx-third test test-nvrx-next test-nvrx-third test-fast bench-ingest bench-fleet bench-recovery bench-checkpoint bench-dashboard bench-sdk bench-chaos bench-straggler bench-attribution bench-report k8s-e2e docs docs-serve clean
+.PHONY: up install nvrx-next nvrx-third lint test test-nvrx-next test-nvrx-third test-fast bench-ingest bench-fleet bench-recovery bench-checkpoint bench-dashboard bench-sdk bench-chaos bench-straggler bench-attribution bench-report k8s-e2e docs docs-serve clean
 
 $(VENV)/.installed: requirements.lock trainer/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -67,7 +67,14 @@ up: install $(DATA)/secret_key
 	$(PY) manage.py ensure_operator
 	$(PY) manage.py serve
 
+# ruff with the rules in pyproject.toml ([tool.ruff.lint]) and the import contracts ([tool.importlinter]).
+# `ruff check --fix .` applies the safe fixes (import order, unused noqa).
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/lint-imports --no-cache --no-logo
+
 test: install nvrx-next nvrx-third $(DATA)/secret_key
+	$(MAKE) --no-print-directory lint
 	$(PY) -m pytest
 	$(MAKE) --no-print-directory test-nvrx-next
 	$(MAKE) --no-print-directory test-nvrx-third

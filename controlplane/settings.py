@@ -80,7 +80,7 @@ INSTALLED_APPS = [
 ]
 
 MIDDLEWARE = [
-    "controlplane.health.HealthCheckMiddleware",
+    "controlplane.healthz.HealthCheckMiddleware",
     "django.middleware.security.SecurityMiddleware",
     "whitenoise.middleware.WhiteNoiseMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
@@ -146,6 +146,9 @@ else:
     for sub in ("in", "processed", "control"):
         (CELERY_BROKER_DIR / sub).mkdir(parents=True, exist_ok=True)
     CELERY_BROKER_URL = "filesystem://"
+    # kombu's filesystem transport with its files written whole (a reader saw half-written ones and the
+    # worker died): controlplane/filesystem_broker.py.
+    CELERY_BROKER_TRANSPORT = "controlplane.filesystem_broker:Transport"
     CELERY_BROKER_TRANSPORT_OPTIONS = {
         "data_folder_in": str(CELERY_BROKER_DIR / "in"),
         "data_folder_out": str(CELERY_BROKER_DIR / "in"),

@@ -2,10 +2,11 @@
 
 A page asks for a generated part with a marker line, ``<!-- gen:NAME -->``, replaced by
 ``GENERATORS[NAME]()``: the job specification from its type, the operator and ingest APIs from their OpenAPI
-documents (also published beside the pages as JSON), and the Prometheus metrics from the registered
-collectors. A marker with no generator fails the build. The control plane is set up once per build on a
-throw-away SQLite database in a temporary data directory, whatever ``DATABASE_URL`` or ``REDIS_URL`` say, so
-the build touches no server.
+documents (also published beside the pages as JSON), the Prometheus metrics from the registered
+collectors, the ``unbroken`` command and the ``manage.py`` commands from their parsers, and the import
+contracts from ``pyproject.toml``. A marker with no generator fails the build. The control plane is set up
+once per build on a throw-away SQLite database in a temporary data directory, whatever ``DATABASE_URL`` or
+``REDIS_URL`` say, so the build touches no server.
 """
 
 from __future__ import annotations
@@ -50,6 +51,12 @@ def _setup_django() -> None:
 
 def _cell(text: Any) -> str:
     return str(text).replace("|", "\\|").replace("<", "&lt;").replace("\n", " ")
+
+
+def _code(text: Any) -> str:
+    """A table cell's code span: its pipes are no column separators to Python-Markdown, and an escape or an
+    entity would show literally."""
+    return "`" + " ".join(str(text).split()) + "`"
 
 
 # --- The job specification -------------------------------------------------------------------------------
@@ -308,6 +315,139 @@ def metrics_reference() -> str:
     return "\n".join(rows)
 
 
+# --- Command lines ---------------------------------------------------------------------------------------
+
+def _cli_group():
+    """The ``unbroken`` console script's click group, found through the entry point ``trainer/pyproject.toml``
+    declares (so a moved command module is followed, and a missing one fails the build)."""
+    import importlib
+    import tomllib
+
+    import click
+
+    scripts = tomllib.loads((ROOT / "trainer" / "pyproject.toml").read_text())["project"]["scripts"]
+    target = scripts["unbroken"]
+    module = importlib.import_module(target.split(":")[0])
+    groups = [v for v in vars(module).values() if isinstance(v, click.Group)]
+    if not groups:  # the entry point is a thin function importing the group from a sibling module
+        main = importlib.import_module(module.__name__ + ".main")
+        groups = [v for v in vars(main).values() if isinstance(v, click.Group)]
+    if len(groups) != 1:
+        raise RuntimeError(f"{target}: expected one click group behind the console script, found {groups}")
+    return groups[0]
+
+
+# What an argument or option means where its parser gives no help text (click arguments take none). A
+# parameter with neither fails the build, so a new one is described where it is added.
+_PARAM_MEANINGS = {
+    "JOB": "the job's id (`unbroken ls` lists them; shell completion offers them)",
+    "URL": "the control plane's address, e.g. `https://unbroken.example.com`",
+    "SCRIPT": "your script (`train.py`), module (`pkg.train`) or function (`pkg.train:main`): the spec's "
+              "`entrypoint`",
+    "ARGS": "what follows `--`: your script's own arguments (the spec's `args`)",
+    "USERNAME": "an existing account (operator or viewer: a viewer's token can read, not act)",
+    "unbroken ls --status": "only jobs in this status",
+    "unbroken ls --limit": "at most this many jobs",
+    "unbroken run --backend": "where the job runs (the spec's `backend`)",
+    "unbroken restart --json": "print the API's `Command` as JSON",
+    "unbroken inject --json": "print the API's `Command` as JSON",
+    "unbroken stop --json": "print the API's `Command` as JSON",
+    "manage.py serve --host": "the web server's address (default from `UNBROKEN_HOST`)",
+    "manage.py serve --port": "the web server's port (default from `UNBROKEN_PORT`)",
+    "manage.py serve --web-workers": "uvicorn worker processes (default from `UNBROKEN_WEB_WORKERS`)",
+}
+
+
+def _meaning(where: str, name: str, given: str | None) -> str:
+    meaning = given or _PARAM_MEANINGS.get(f"{where} {name}") or _PARAM_MEANINGS.get(name)
+    if not meaning:
+        raise RuntimeError(f"{where} {name} has no help: give it one in its parser (or in _PARAM_MEANINGS)")
+    return meaning
+
+
+def _help_text(text: str | None) -> str:
+    import inspect
+
+    return _cell(" ".join(inspect.cleandoc(text or "").split("\n\n")[0].split()))
+
+
+def cli_reference() -> str:
+    """Every command of ``unbroken`` with its usage, arguments and options, from the click parser itself: its
+    help line, each option's flags, type or choices, default and help as ``unbroken CMD --help`` prints
+    them."""
+    import click
+
+    group = _cli_group()
+    root = click.Context(group, info_name="unbroken")
+    out = []
+    for name in group.list_commands(root):
+        cmd = group.get_command(root, name)
+        ctx = click.Context(cmd, info_name=name, parent=root)
+        usage = " ".join(["unbroken", name, *cmd.collect_usage_pieces(ctx)])
+        out.append(f"### `unbroken {name}`\n\n{_help_text(cmd.help)}\n\n`{usage}`\n")
+        rows = ["| Argument or option | Meaning |", "|---|---|"]
+        for param in cmd.get_params(ctx):
+            if isinstance(param, click.Argument):
+                choices = getattr(param.type, "choices", None)
+                meaning = ("one of " + ", ".join(f"`{c}`" for c in choices) if choices else
+                           _meaning(f"unbroken {name}", param.human_readable_name, None))
+                rows.append(f"| `{param.human_readable_name}` | {_cell(meaning)} |")
+                continue
+            if "--help" in param.opts:
+                continue
+            flags, text = param.get_help_record(ctx)
+            if not param.help:
+                extra = text.strip()
+                text = _meaning(f"unbroken {name}", param.opts[-1], None) + (f" {extra}" if extra else "")
+            rows.append(f"| {_code(flags)} | {_cell(text)} |")
+        out.append("\n".join(rows) + "\n")
+    version = next(p for p in group.params if isinstance(p, click.Option) and "--version" in p.opts)
+    out.append(f"Every command also takes `-h`/`--help`; `unbroken {version.opts[0]}` prints the version.")
+    return "\n".join(out)
+
+
+# Options every Django command has: documented by Django, not here.
+_DJANGO_COMMON = {"help", "version", "verbosity", "settings", "pythonpath", "traceback", "no_color",
+                  "force_color", "skip_checks"}
+
+
+def manage_reference() -> str:
+    """The control plane's own ``manage.py`` commands (those its apps define), from their argparse parsers."""
+    import argparse
+
+    _setup_django()
+    from django.core.management import get_commands, load_command_class
+
+    out = []
+    for name, app in sorted(get_commands().items()):
+        if not app.startswith("controlplane"):
+            continue
+        cmd = load_command_class(app, name)
+        parser = cmd.create_parser("manage.py", name)
+        actions = [a for a in parser._actions if a.dest not in _DJANGO_COMMON]
+        usage = ["python manage.py", name]
+        rows = ["| Argument or option | Default | Meaning |", "|---|---|---|"]
+        for a in actions:
+            if a.option_strings:
+                flag = ", ".join(a.option_strings)
+                takes = not isinstance(a, (argparse._StoreTrueAction, argparse._StoreFalseAction))
+                flag += f" {a.metavar or a.dest.upper()}" if takes else ""
+                usage.append(flag.split(", ")[-1] if a.required else f"[{flag.split(', ')[-1]}]")
+                default = "required" if a.required else ("" if a.default in (None, False, "") else
+                                                          f"`{_cell(a.default)}`")
+            else:
+                flag = a.metavar or a.dest.upper()
+                usage.append(flag)
+                default = "required"
+            meaning = _meaning(f"manage.py {name}", a.option_strings[-1] if a.option_strings else flag,
+                               (a.help or "").replace("%(default)s", str(a.default)))
+            rows.append(f"| {_code(flag)} | {default} | {_cell(meaning)} |")
+        out.append(f"### `manage.py {name}`\n\n{_help_text(cmd.help)}\n\n`{' '.join(usage)}`\n")
+        if len(rows) > 2:
+            out.append("\n".join(rows) + "\n")
+    return "\n".join(out)
+
+
 # --- Import contracts ------------------------------------------------------------------------------------
 
 def import_contracts() -> str:
@@ -330,7 +470,9 @@ def import_contracts() -> str:
 
 
 GENERATORS = {
+    "cli": cli_reference,
     "import-contracts": import_contracts,
+    "manage-commands": manage_reference,
     "job-spec": spec_reference,
     "operator-api": lambda: openapi_markdown(operator_openapi()),
     "ingest-api": lambda: openapi_markdown(ingest_openapi()),

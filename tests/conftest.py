@@ -32,8 +32,10 @@ def celery_worker_thread():
     """A real Celery worker consuming the default and launch queues in a thread of this process."""
     # The app reads Django settings under the CELERY_ namespace, so override the namespaced keys:
     # an in-memory broker per test, never the shared filesystem queue of earlier runs.
-    saved = {k: celery_app.conf.get(k) for k in ("CELERY_BROKER_URL", "CELERY_BROKER_TRANSPORT_OPTIONS")}
+    saved = {k: celery_app.conf.get(k)
+             for k in ("CELERY_BROKER_URL", "CELERY_BROKER_TRANSPORT", "CELERY_BROKER_TRANSPORT_OPTIONS")}
     celery_app.conf.CELERY_BROKER_URL = "memory://"
+    celery_app.conf.CELERY_BROKER_TRANSPORT = None  # the embedded default names its filesystem transport
     celery_app.conf.CELERY_BROKER_TRANSPORT_OPTIONS = {}
     celery_app.conf.task_always_eager = False
     _drop_connection_pools()  # producers cached by earlier tests would still publish to the old broker

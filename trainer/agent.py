@@ -259,7 +259,7 @@ def _handler(agent: NodeAgent) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
 
-        def do_POST(self) -> None:  # noqa: N802 - the http.server hook
+        def do_POST(self) -> None:  # the http.server hook
             m = PATH.match(self.path)
             length = int(self.headers.get("Content-Length") or 0)
             if m is None:
@@ -272,7 +272,7 @@ def _handler(agent: NodeAgent) -> type[BaseHTTPRequestHandler]:
             status, payload = agent.take(m[1], self.headers.get("Authorization", "").encode("latin-1"), body)
             self._answer(status, payload)
 
-        def do_GET(self) -> None:  # noqa: N802 - the http.server hook
+        def do_GET(self) -> None:  # the http.server hook
             m = COMMANDS_PATH.match(self.path)
             if m is None:
                 self._answer(404, {"error": "GET /api/v1/jobs/<id>/commands", "field": None})

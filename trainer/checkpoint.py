@@ -26,106 +26,43 @@ of its newest durable async save there, written from the staged copy by the writ
 save is durable. New processes on the same node (an in-job restart) restore from it instead of the
 durable checkpoint (a network volume on Kubernetes) when every rank finds its own copy of the same
 step, at least the durable one's; otherwise from the durable checkpoint.
+
+The directory layout is ``trainer.checkpoint_layout``'s, the memory snapshot and the node-local copy
+``trainer.checkpoint_copies``', the saver process ``trainer.checkpoint_saver``'s.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
-import copy
-import io
 import logging
 import os
-import pickle
-import re
 import shutil
 import statistics
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from multiprocessing.reduction import ForkingPickler
 from typing import Any, ContextManager
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.stateful import Stateful
-from torch.distributed.tensor import DTensor
 
-from trainer.nvrx_compat import ITERATION_FILE
+from trainer.checkpoint_copies import LocalCopy, MemorySnapshot, copy_into
+from trainer.checkpoint_layout import (
+    COMMITTED,
+    dir_bytes,
+    list_checkpoints,
+    step_dir,
+    write_iteration_file,
+)
+from trainer.checkpoint_saver import saver_alive, saver_process_available, start_saver, stop_saver
 from trainer.wire import CheckpointMode, CheckpointState, EventKind, RestoredFrom
 
 log = logging.getLogger(__name__)
-
-COMMITTED = "COMMITTED"
-_STEP_DIR = re.compile(r"step_(\d+)")
-
-
-def step_dir(root: str, step: int) -> str:
-    return os.path.join(root, f"step_{step:09d}")
-
-
-def list_checkpoints(root: str) -> list[tuple[int, str, bool]]:
-    """(step, path, durable) for every ``step_*`` directory, oldest first."""
-    out = []
-    try:
-        names = os.listdir(root)
-    except FileNotFoundError:
-        return []
-    for name in names:
-        m = _STEP_DIR.fullmatch(name)
-        if not m:
-            continue
-        path = os.path.join(root, name)
-        durable = os.path.exists(os.path.join(path, ".metadata")) and os.path.exists(os.path.join(path, COMMITTED))
-        out.append((int(m.group(1)), path, durable))
-    return sorted(out)
-
-
-def latest_durable(root: str) -> int | None:
-    steps = [s for s, _, durable in list_checkpoints(root) if durable]
-    return steps[-1] if steps else None
-
-
-def write_iteration_file(root: str, step: int) -> None:
-    """The newest durable step as text, replaced atomically: ft_launcher (NVRx 0.6+) reads it to tell a
-    restart cycle that made progress from one that did not (``--max-no-progress-restarts``)."""
-    tmp = os.path.join(root, f".{ITERATION_FILE}.tmp")
-    with open(tmp, "w") as f:
-        f.write(f"{step}\n")
-    os.replace(tmp, os.path.join(root, ITERATION_FILE))
-
-
-def dir_bytes(path: str) -> int:
-    total = 0
-    for name in os.listdir(path):
-        with contextlib.suppress(OSError):
-            total += os.path.getsize(os.path.join(path, name))
-    return total
-
-
-class MemorySnapshot:
-    """This rank's newest complete staged copy of the state (host memory), with its step. Written by
-    the staging thread, read by ``Checkpointer.load``; one per process."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._step: int | None = None
-        self._state: dict[str, Any] | None = None
-
-    def staging(self) -> None:
-        """A save starts staging: the stager may overwrite the buffers the snapshot lives in."""
-        with self._lock:
-            self._step, self._state = None, None
-
-    def staged(self, step: int, state_dict: dict[str, Any]) -> None:
-        with self._lock:
-            self._step, self._state = step, state_dict
-
-    def get(self) -> tuple[int | None, dict[str, Any] | None]:
-        with self._lock:
-            return self._step, self._state
 
 
 class _Writer(dcp.FileSystemWriter):
@@ -134,6 +71,15 @@ class _Writer(dcp.FileSystemWriter):
     it reads every byte of the state once more per save: ~15 % of a save's CPU, and memory traffic that
     slows the steps an async save overlaps (make bench-checkpoint). torch's switch is per thread
     (context-local), so it is set only around the write, in the thread that writes."""
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        """DCP's async executor runs the save later, in its own thread: if a restart's abort destroyed the
+        process groups in between, DCP would save as a single process (this rank's shards and a
+        ``.metadata`` naming only them, which rank 0 would make durable: every later restore fails with
+        "Missing key ... rank1"). Fail instead: the save is abandoned and nothing is made durable."""
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError("unbroken: the process group is gone (a restart aborted it): checkpoint not written")
+        super().set_up_storage_writer(is_coordinator, *args, **kwargs)
 
     def write_data(self, plan: Any, planner: Any) -> Any:
         get = getattr(torch.serialization, "get_crc32_options", None)
@@ -145,323 +91,6 @@ class _Writer(dcp.FileSystemWriter):
             return super().write_data(plan, planner)  # writes before it returns (a completed future)
         finally:
             torch.serialization.set_crc32_options(before)
-
-
-_LOCAL_FILE = re.compile(r"step_(\d+)\.w(\d+)\.pt")
-
-
-def _local_tree(x: Any) -> Any:
-    """A staged state dict with every DTensor replaced by its local shard (what this rank restores)."""
-    if isinstance(x, dict):
-        return {k: _local_tree(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        items = [_local_tree(v) for v in x]
-        return type(x)(items) if isinstance(x, tuple) else items
-    if isinstance(x, DTensor):
-        return x.to_local()
-    return x
-
-
-def _tensor_bytes(x: Any) -> int:
-    if isinstance(x, dict):
-        return sum(_tensor_bytes(v) for v in x.values())
-    if isinstance(x, (list, tuple)):
-        return sum(_tensor_bytes(v) for v in x)
-    if isinstance(x, torch.Tensor):
-        return x.numel() * x.element_size()
-    return 0
-
-
-class LocalCopy:
-    """This rank's copy of its newest durable async save in a node-local directory, for the new
-    processes of an in-job restart on the same node. One file per step (``step_<N>.w<world>.pt``),
-    written under a temporary name and renamed, so a file that exists is complete; only the newest
-    is kept. No fsync: the copy only has to outlive the processes, not the node (the page cache does).
-    A copy that would not fit (free space under its size plus the one it replaces) is skipped, once
-    said in the log, and restarts read the durable checkpoint."""
-
-    def __init__(self, root: str, *, rank: int, world: int):
-        self.dir, self.rank, self.world = os.path.join(root, f"rank{rank}"), rank, world
-        os.makedirs(self.dir, exist_ok=True)
-        self._warned = False
-
-    def _path(self, step: int) -> str:
-        return os.path.join(self.dir, f"step_{step:09d}.w{self.world}.pt")
-
-    def newest(self) -> int | None:
-        """The newest step this rank holds a copy of (for this world size), or None."""
-        steps = []
-        with contextlib.suppress(OSError):
-            for name in os.listdir(self.dir):
-                m = _LOCAL_FILE.fullmatch(name)
-                if m and int(m.group(2)) == self.world:
-                    steps.append(int(m.group(1)))
-        return max(steps) if steps else None
-
-    def write(self, step: int, staged: dict[str, Any]) -> bool:
-        """Copy ``staged`` (the save's staged state dict) as this rank's copy of ``step``; drop older
-        copies. False (and nothing written) when it would not fit; raises only on a write error."""
-        local = _local_tree(staged)
-        need = _tensor_bytes(local)
-        old = [os.path.join(self.dir, n) for n in os.listdir(self.dir) if n != os.path.basename(self._path(step))]
-        room = shutil.disk_usage(self.dir).free + sum(os.path.getsize(p) for p in old if os.path.isfile(p))
-        if need * 1.05 + (1 << 20) > room:
-            for p in old:  # an older copy must not be mistaken for the newest one
-                with contextlib.suppress(OSError):
-                    os.remove(p)
-            if not self._warned:
-                log.warning("node-local checkpoint copy skipped: %d MB needed, %d MB free in %s; in-job restarts "
-                            "will read the durable checkpoint", need >> 20, room >> 20, self.dir)
-                self._warned = True
-            return False
-        for p in old:  # first: the new copy needs their room
-            with contextlib.suppress(OSError):
-                os.remove(p)
-        tmp = self._path(step) + ".tmp"
-        try:
-            torch.save(local, tmp)
-            os.replace(tmp, self._path(step))
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.remove(tmp)
-            raise
-        return True
-
-    def read(self, step: int) -> dict[str, Any]:
-        return torch.load(self._path(step), map_location="cpu", weights_only=False, mmap=True)
-
-
-def _copy_into(dst: Any, src: Any) -> Any:
-    """``src`` (a snapshot, left untouched) copied into ``dst`` (a fresh state dict of the same
-    shape, its tensors the live ones): tensors in place, everything else as a deep copy."""
-    if isinstance(src, dict):
-        out = dst if isinstance(dst, dict) else {}
-        for k, v in src.items():
-            out[k] = _copy_into(out.get(k), v)
-        return out
-    if isinstance(src, (list, tuple)):
-        olds = list(dst) if isinstance(dst, (list, tuple)) and len(dst) == len(src) else [None] * len(src)
-        items = [_copy_into(d, v) for d, v in zip(olds, src)]
-        return type(src)(items) if isinstance(src, tuple) else items
-    if isinstance(src, torch.Tensor):
-        local = src.to_local() if isinstance(src, DTensor) else src
-        if isinstance(dst, torch.Tensor):
-            target = dst.to_local() if isinstance(dst, DTensor) else dst
-            if target.shape == local.shape:
-                target.copy_(local)
-                return dst
-        return local.clone()
-    return copy.deepcopy(src)
-
-
-# -- the saver process -------------------------------------------------------------------------------
-#
-# DCP's THREAD executor plans, serializes and writes in a thread of the training process: it holds the
-# GIL for much of that and its CPU time lands on the step's cores, so an async save costs the loop
-# about what a sync one blocks (in slower steps). The saver process runs DCP's save instead (its
-# PROCESS executor, one daemon per rank with its own gloo group), started once per process from the
-# main thread and kept across in-process restarts, at the lowest CPU and I/O priority: it runs on
-# what the steps leave idle. The staged copy lives in shared memory, so a save sends the saver
-# handles, not bytes. It dies with its rank (PR_SET_PDEATHSIG); it never re-runs the user's script.
-
-PR_SET_PDEATHSIG = 1
-IOPRIO_CLASS_IDLE = 3
-IOPRIO_WHO_PROCESS = 1
-SAVER_NICE = 19
-
-try:
-    from torch.distributed.checkpoint._async_process_executor import (
-        _AsyncCheckpointProcess,
-        _ProcessGroupInitInfo,
-    )
-except ImportError:  # an older torch: the THREAD executor only
-    _AsyncCheckpointProcess = None  # type: ignore[assignment,misc]
-
-
-def _follow_parent_at_low_priority(parent_pid: int) -> None:
-    """In the saver process, before its gloo group's threads start (they inherit all of this)."""
-    import ctypes
-    import signal
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() != parent_pid:  # the rank died before the line above
-        os._exit(0)
-    with contextlib.suppress(OSError):
-        os.setpriority(os.PRIO_PROCESS, 0, SAVER_NICE)
-    with contextlib.suppress(OSError, AttributeError):
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-    with contextlib.suppress(Exception):  # ioprio_set (x86_64: 251, aarch64: 30)
-        nr = {"x86_64": 251, "aarch64": 30}.get(os.uname().machine)
-        if nr is not None:
-            libc.syscall(nr, IOPRIO_WHO_PROCESS, 0, IOPRIO_CLASS_IDLE << 13)
-
-
-def _tensor_key(t: torch.Tensor) -> tuple | None:
-    """A staged tensor by its shared-memory segment (a name never reused) and view, or None."""
-    if type(t) not in (torch.Tensor, torch.nn.Parameter) or t.device.type != "cpu":
-        return None
-    st = t.untyped_storage()
-    if not st.is_shared():
-        return None
-    return (st._share_filename_cpu_()[1], t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
-
-
-class _RequestPickler(ForkingPickler):
-    """A save request with every staged tensor the saver already holds sent as its key: the stager reuses
-    its buffers, so from the second save on only the small non-tensor values travel."""
-
-    def __init__(self, file: Any, known: set) -> None:
-        super().__init__(file, 4)
-        self.known, self.used = known, set()
-        self._emitting: set[int] = set()
-
-    def persistent_id(self, obj: Any) -> Any:
-        if not isinstance(obj, torch.Tensor) or id(obj) in self._emitting:
-            return None
-        key = _tensor_key(obj)
-        if key is None:
-            return None
-        self.used.add(key)
-        if key in self.known:
-            return ("known", key)
-        self._emitting.add(id(obj))
-        return ("new", key, obj)
-
-
-class _RequestUnpickler(pickle.Unpickler):
-    def __init__(self, file: Any, cache: dict) -> None:
-        super().__init__(file)
-        self.cache, self.used = cache, {}
-
-    def persistent_load(self, pid: Any) -> Any:
-        t = pid[2] if pid[0] == "new" else self.cache[pid[1]]
-        self.used[pid[1]] = t
-        return t
-
-
-if _AsyncCheckpointProcess is not None:
-
-    class SaverProcess(_AsyncCheckpointProcess):  # type: ignore[misc,valid-type]
-        """DCP's checkpoint daemon, at low priority, tied to its rank, holding the staged tensors it was
-        sent (their shared memory stays mapped) so that a save sends only what changed."""
-
-        def __init__(self, pg_init_info: Any) -> None:
-            self._known: set = set()
-            super().__init__(pg_init_info)
-
-        def _send(self, data: Any) -> None:
-            # Storages by shared-memory name: the default (file descriptors) has the saver fetch every
-            # storage's descriptor from this process's resource-sharer thread, hundreds of GIL-bound
-            # round trips that stall the training thread.
-            import torch.multiprocessing as tmp
-
-            buf = io.BytesIO()
-            before = tmp.get_sharing_strategy()
-            tmp.set_sharing_strategy("file_system")
-            try:
-                p = _RequestPickler(buf, self._known)
-                p.dump(data)
-            finally:
-                tmp.set_sharing_strategy(before)
-            self._process_pipe.send_bytes(buf.getbuffer())
-            self._known = p.used  # what the saver holds once it has read this request
-
-        @staticmethod
-        def _checkpointing_subprocess(pg_init_info: Any, parent_conn: Any) -> None:
-            """torch's serving loop, reading requests with the saver's tensor cache."""
-            from torch.distributed.checkpoint._async_process_executor import _CheckpointSaveProcessControlOpts
-
-            _follow_parent_at_low_priority(pg_init_info.parent_pid)
-            try:
-                os.environ.update(TORCHELASTIC_USE_AGENT_STORE="False",
-                                  MASTER_ADDR=pg_init_info.tcp_store_master_addr,
-                                  MASTER_PORT=str(pg_init_info.tcp_store_master_port),
-                                  LOCAL_RANK=str(pg_init_info.local_rank), RANK=str(pg_init_info.global_rank),
-                                  WORLD_SIZE=str(pg_init_info.world_size))
-                dist.init_process_group(backend=dist.Backend.GLOO)
-                dist.barrier()
-                parent_conn.send(_CheckpointSaveProcessControlOpts.INIT_COMPLETE)
-            except BaseException as e:
-                parent_conn.send(e)
-                return
-            cache: dict = {}
-            try:
-                while True:
-                    try:
-                        data = parent_conn.recv_bytes()
-                    except EOFError:
-                        return
-                    u = _RequestUnpickler(io.BytesIO(data), cache)
-                    obj = u.load()
-                    cache = u.used
-                    if obj == _CheckpointSaveProcessControlOpts.TERMINATE:
-                        return
-                    try:
-                        parent_conn.send(_AsyncCheckpointProcess._execute_save(
-                            obj.staged_state_dict, checkpoint_request_id=obj.checkpoint_request_id,
-                            storage_writer=obj.storage_writer, planner=obj.planner, no_dist=obj.no_dist,
-                            use_collectives=obj.use_collectives))
-                    except BaseException as e:
-                        parent_conn.send(e)
-                    del obj, u
-            finally:
-                dist.destroy_process_group()
-                parent_conn.close()
-
-
-@contextlib.contextmanager
-def _without_main_module() -> Any:
-    """multiprocessing's spawn re-imports ``__main__`` in the child (the user's script, run by the shim
-    through runpy): hide it while the saver starts, so the child imports only what it unpickles."""
-    import sys
-    import types
-
-    main = sys.modules["__main__"]
-    sys.modules["__main__"] = types.ModuleType("__main__")
-    try:
-        yield
-    finally:
-        sys.modules["__main__"] = main
-
-
-def saver_process_available() -> bool:
-    return _AsyncCheckpointProcess is not None
-
-
-def _saver_alive() -> bool:
-    import torch.distributed.checkpoint._async_process_executor as ape
-
-    proc = ape._CHECKPOINT_PROCESS
-    return proc is not None and proc._save_process.is_alive()
-
-
-def _start_saver(pg: Any) -> None:
-    """Every rank at once (one broadcast on ``pg``): this process's saver, if it has none."""
-    import torch.distributed.checkpoint._async_process_executor as ape
-
-    info = _ProcessGroupInitInfo(pg)
-    info.parent_pid = os.getpid()  # type: ignore[attr-defined]
-    if threading.current_thread() is not threading.main_thread():
-        raise RuntimeError("the checkpoint saver must be started from the main thread (PR_SET_PDEATHSIG "
-                           "follows the thread that started it)")
-    with _without_main_module():
-        ape._CHECKPOINT_PROCESS = SaverProcess(info)
-
-
-def stop_saver(timeout_s: float = 5.0) -> None:
-    """End this process's saver (a save it may be stuck in dies with it)."""
-    import torch.distributed.checkpoint._async_process_executor as ape
-
-    proc, ape._CHECKPOINT_PROCESS = ape._CHECKPOINT_PROCESS, None
-    if proc is None:
-        return
-    p = proc._save_process
-    if p.is_alive():
-        p.kill()
-        p.join(timeout_s)
-    with contextlib.suppress(Exception):
-        proc._process_pipe.close()
 
 
 def _snapshot_stager(memory: MemorySnapshot | None, *, shared: bool = False) -> Any:
@@ -570,38 +199,74 @@ class Checkpointer:
         every rank read its copy); else the durable checkpoint.
         """
         self.restored_from = None
-        durable: int | None = None
+        durables: list[int] = []  # rank 0's durable steps, newest first
         if self.rank == 0:
-            durable = latest_durable(self.root)
-            for step, path, ok in list_checkpoints(self.root):
-                if not ok and (durable is None or step > durable):
+            ckpts = list_checkpoints(self.root)
+            durables = [s for s, _, ok in reversed(ckpts) if ok]
+            for step, path, ok in ckpts:
+                if not ok and (not durables or step > durables[0]):
                     self._emit(step=step, mode=None, state=CheckpointState.ABANDONED, detail="torn by a restart")
                     shutil.rmtree(path, ignore_errors=True)
         snap_step, snap = self.memory.get() if self.memory is not None else (None, None)
         views: list[Any] = [None] * dist.get_world_size(self.pg)
-        saver_ok = self.saver and _saver_alive()
+        saver_ok = self.saver and saver_alive()
         local_step = self.local.newest() if self.local is not None else None
-        dist.all_gather_object(views, (snap_step, durable, saver_ok, local_step), group=self.pg)
+        dist.all_gather_object(views, (snap_step, durables, saver_ok, local_step), group=self.pg)
         if self.saver:  # every rank keeps its saver, or every rank starts a new one at the next save
             if all(v[2] for v in views):
                 self._had_saver = True
             else:
                 stop_saver()
-        durable = views[0][1]
+        durables = views[0][1]
+        durable = durables[0] if durables else None
         steps = {v[0] for v in views}
         mem_step = steps.pop() if len(steps) == 1 else None
         if mem_step is not None and snap is not None and (durable is None or mem_step >= durable):
             target = {"app": state.state_dict()}
-            state.load_state_dict(_copy_into(target, snap)["app"])
+            state.load_state_dict(copy_into(target, snap)["app"])
             self.restored_from = RestoredFrom.MEMORY
             return state.step
         if self.local is not None and self._load_local(state, {v[3] for v in views}, durable):
             return state.step
         if durable is None:
             return None
-        dcp.load({"app": state}, checkpoint_id=step_dir(self.root, durable), process_group=self.pg)
-        self.restored_from = RestoredFrom.DISK
-        return state.step
+        return self._load_durable(state, durables)
+
+    def _load_durable(self, state: Stateful, durables: list[int]) -> int:
+        """Load the newest durable checkpoint that DCP can load (``durables``: newest first). DCP fails a load
+        on every rank of the group when one rank fails, so every rank moves on together. A checkpoint
+        that is durable yet unloadable (a rank's part missing from its ``.metadata``, a shard gone) would
+        otherwise fail every restart until the restart storm stops the job: an older one that loads wins,
+        and the newer ones are set aside (renamed ``step_N.unloadable-<time>``, kept for a look, and
+        reported failed). When none loads, the newest one's failure is raised and nothing is set aside:
+        a model that no longer matches its checkpoints is not a reason to start from scratch."""
+        failures: list[tuple[int, CheckpointException]] = []
+        for step in durables:
+            try:
+                dcp.load({"app": state}, checkpoint_id=step_dir(self.root, step), process_group=self.pg)
+            except CheckpointException as e:
+                log.warning("checkpoint of step %d cannot be loaded (%r): trying an older one", step, e)
+                failures.append((step, e))
+                continue
+            for bad, e in failures:
+                self._set_aside(bad, e, loaded=step)
+            self.restored_from = RestoredFrom.DISK
+            return state.step
+        raise failures[0][1]
+
+    def _set_aside(self, step: int, error: CheckpointException, *, loaded: int) -> None:
+        """Rank 0: rename an unloadable durable checkpoint out of the ``step_N`` namespace, point the
+        iteration file at the one that loaded, and report it failed (an attempt of its own in the ledger)."""
+        if self.rank != 0:
+            return
+        path, now = step_dir(self.root, step), int(time.time())
+        aside = f"{path}.unloadable-{now}"
+        with contextlib.suppress(OSError):
+            os.replace(path, aside)
+        write_iteration_file(self.root, loaded)
+        self._emit(step=step, mode=None, state=CheckpointState.FAILED, attempt_key=f"unloadable-{now}",
+                   detail=f"unloadable, set aside as {os.path.basename(aside)}; restored step {loaded} "
+                          f"instead: {_failures_text(error)}"[:500])
 
     def _load_local(self, state: Stateful, steps: set[int | None], durable: int | None) -> bool:
         """Restore from the node-local copies when every rank holds one of the same step, at least the
@@ -619,7 +284,7 @@ class Checkpointer:
         dist.all_gather_object(oks, copy_ is not None, group=self.pg)
         if not all(oks):
             return False
-        state.load_state_dict(_copy_into({"app": state.state_dict()}, copy_)["app"])
+        state.load_state_dict(copy_into({"app": state.state_dict()}, copy_)["app"])
         self.restored_from = RestoredFrom.LOCAL
         return True
 
@@ -647,10 +312,10 @@ class Checkpointer:
         stager.step = step
         kwargs: dict[str, Any] = {}
         if self.saver:
-            if not _saver_alive():
+            if not saver_alive():
                 if self._had_saver:
                     raise RuntimeError("unbroken: this rank's checkpoint saver process died")
-                _start_saver(self.pg)
+                start_saver(self.pg)
             self._had_saver = True
             from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
             kwargs["async_checkpointer_type"] = AsyncCheckpointerType.PROCESS
@@ -802,11 +467,11 @@ class Checkpointer:
             return None
         path = step_dir(self.root, step)
         # On the loop, inside atomic(): an in-process restart cannot interleave with placing the marker.
-        with self._atomic() if atomic else contextlib.nullcontext():
-            with open(os.path.join(path, COMMITTED), "w") as f:
-                f.write(f"{time.time()}\n")
-                f.flush()
-                os.fsync(f.fileno())
+        with (self._atomic() if atomic else contextlib.nullcontext(),
+              open(os.path.join(path, COMMITTED), "w") as f):
+            f.write(f"{time.time()}\n")
+            f.flush()
+            os.fsync(f.fileno())
         write_iteration_file(self.root, step)
         size = dir_bytes(path)
         self._gc()
@@ -826,6 +491,15 @@ class Checkpointer:
     def _emit(self, **data: Any) -> None:
         if self.rank == 0:
             self._report(EventKind.CHECKPOINT, {k: v for k, v in data.items() if v is not None})
+
+
+def _failures_text(error: CheckpointException) -> str:
+    """Each failed rank's exception, without DCP's tracebacks (``rank 1: RuntimeError('Missing key ...')``)."""
+    parts = []
+    for rank, failure in sorted(getattr(error, "failures", {}).items()):
+        exc = failure[0] if isinstance(failure, tuple) else failure
+        parts.append(f"rank {rank}: {exc!r}")
+    return "; ".join(parts) or repr(error)
 
 
 def _upload(resp: Any) -> Any:

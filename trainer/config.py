@@ -14,8 +14,13 @@ import hashlib
 import os
 from dataclasses import dataclass, field
 
-from trainer.jobspec import (ENV_SPEC, IN_PROCESS_HARD_TIMEOUT_S, IN_PROCESS_SOFT_TIMEOUT_S,
-                             LOCAL_CHECKPOINT_ROOT, JobSpec)
+from trainer.jobspec import (
+    ENV_SPEC,
+    IN_PROCESS_HARD_TIMEOUT_S,
+    IN_PROCESS_SOFT_TIMEOUT_S,
+    LOCAL_CHECKPOINT_ROOT,
+    JobSpec,
+)
 from trainer.wire import CheckpointMode, DrillFault
 
 _SPEC = JobSpec()  # the defaults
@@ -228,7 +233,7 @@ class TrainConfig:
     def local_ckpt_prefix(self) -> str:
         """The node-local copies' directory name without the attempt: the job and its run directory
         (two control planes on one machine can both have a job 1)."""
-        run = hashlib.sha1(os.path.abspath(self.run_dir).encode()).hexdigest()[:10]
+        run = hashlib.sha1(os.path.abspath(self.run_dir).encode(), usedforsecurity=False).hexdigest()[:10]
         return f"{self.job_id or 'job'}-{run}-a"
 
     @property

@@ -19,7 +19,7 @@ import math
 import os
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -28,13 +28,22 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.checkpoint.stateful import Stateful
 
 from trainer.checkpoint import Checkpointer
-from trainer.control import EXIT_RESTART_IN_JOB, Control, NanLossError, RestartRequested, ack_event
 from trainer.config import TrainConfig
-from trainer.evidence import exception_text
+from trainer.control import EXIT_RESTART_IN_JOB, Control, NanLossError, RestartRequested, ack_event
 from trainer.runtime import RankEnv, Session, connect_store
+from trainer.stacks import exception_text
 from trainer.usercode import UserRun
-from trainer.wire import (SLOW_PHASES, CheckpointMode, CommandKind, CycleMark, DrillFault, EventKind,
-                          FaultClass, Layer, Phase)
+from trainer.wire import (
+    SLOW_PHASES,
+    CheckpointMode,
+    CommandKind,
+    CycleMark,
+    DrillFault,
+    EventKind,
+    FaultClass,
+    Layer,
+    Phase,
+)
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +71,13 @@ def in_phase(impl: UserRun | None, name: str, call: str) -> contextlib.AbstractC
     if impl is None:
         return contextlib.nullcontext()
     return impl.in_phase(phase, slow=phase in SLOW_PHASES)
+
+
+@contextlib.contextmanager
+def _both(first: contextlib.AbstractContextManager[None],
+          second: contextlib.AbstractContextManager[None]) -> Iterator[None]:
+    with first, second:
+        yield
 
 
 def pick_device(cfg: TrainConfig, env: RankEnv) -> torch.device:
@@ -178,7 +194,7 @@ class CheckpointAPI:
                                           memory=s.snapshot, local_dir=s.cfg.local_ckpt_dir)
         s.checkpointer = self._checkpointer
         s.reporter.heartbeat(step=0, phase=Phase.CHECKPOINT_LOAD)
-        with ctx._impl.keep_alive():  # type: ignore[union-attr]
+        with ctx._impl.keep_alive(), ctx._held():  # type: ignore[union-attr]
             start = self._checkpointer.load(self._state) or 0
         self.restored_from = self._checkpointer.restored_from
         s.mark(ctx._cycle, CycleMark.CHECKPOINT_LOADED, step=start, restored_from=self.restored_from)
@@ -216,7 +232,7 @@ class CheckpointAPI:
         mode = CheckpointMode.SYNC if sync else None
         if sync or ctx._session.cfg.ckpt_mode == CheckpointMode.SYNC:
             ctx._session.reporter.heartbeat(step=step, phase=Phase.CHECKPOINT_SAVE)
-        with ctx._impl.keep_alive():  # type: ignore[union-attr]
+        with ctx._impl.keep_alive(), ctx._held():  # type: ignore[union-attr]
             self._checkpointer.save(self._state, step, mode=mode)
         if not self._overlap:  # nobody waits before optimizer.step(): finish the copy now
             self._checkpointer.maybe_wait_for_staging()
@@ -371,14 +387,25 @@ class Context:
         """A context for a phase that is not a training step: ``checkpoint_save``, ``checkpoint_load``,
         ``eval`` or ``data`` (see ``unbroken.PHASES``). The rank's heartbeats carry it, so a slow one
         (``eval``, a checkpoint of your own) gets the job's checkpoint timeout instead of the step timeout
-        from the control plane and ft_launcher. The in-process layer's hang timeouts still run from the
-        last ``step`` (as during the SDK's own saves): with in-process restarts on, keep a phase shorter
-        than its soft timeout.
+        from the control plane, ft_launcher and the in-process layer (whose hang timeouts otherwise run
+        from the last ``step``).
 
             with ctx.phase("eval"):
                 val_loss = evaluate(model)
         """
-        return in_phase(self._impl if self._session is not None else None, name, "ctx.phase")
+        phase = phase_of(name, "ctx.phase")
+        if self._session is None:
+            return contextlib.nullcontext()
+        slow = phase in SLOW_PHASES
+        inner = contextlib.nullcontext() if self._impl is None else self._impl.in_phase(phase, slow=slow)
+        return _both(inner, self._held()) if slow else inner
+
+    def _held(self) -> contextlib.AbstractContextManager[None]:
+        """The in-process layer keeps hearing from the rank through a slow phase, up to the checkpoint
+        timeout (as ft_launcher does: ``UserRun.keep_alive``)."""
+        if self._pacer is None or self._session is None:
+            return contextlib.nullcontext()
+        return self._pacer.held(time.monotonic() + self._session.cfg.ckpt_timeout)
 
     def _finish(self) -> None:
         """The entrypoint returned: finish the in-flight save, leave the process groups."""
@@ -399,7 +426,8 @@ def run(fn: Callable[[Context], Any], impl: UserRun | None) -> Any:
         raise RuntimeError(PG_BEFORE_ENTRYPOINT)
     if impl is None:
         return fn(Context(session=None, scope=None, impl=None))
-    from trainer.resilience import NullFt, ProgressMark, wrap_loop
+    from trainer.liveness import NullFt, ProgressMark
+    from trainer.resilience import wrap_loop
 
     impl.upgrade(level=2)
     cfg, env = impl.cfg, impl.env

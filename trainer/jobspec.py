@@ -3,10 +3,11 @@
 The control plane validates it (``JobSpec.from_dict``: the form, the operator API, the stored column) and
 stores it as JSON; the launcher hands it to each rank whole (``ENV_SPEC``, one environment variable), and
 the rank decodes it with this same type (``JobSpec.decode``). Bounds and descriptions are the fields'
-metadata (``msgspec.Meta``): the operator API's OpenAPI document and the reference table (``reference_rows``)
-read them from here.
+metadata (``msgspec.Meta``): the operator API's OpenAPI document and the reference table
+(``trainer.spec_reference.reference_rows``) read them from here.
 
-Errors are ``SpecError``s keyed by field name, so forms and the API can show them next to the field.
+Errors are ``SpecError``s keyed by field name, so forms and the API can show them next to the field
+(``trainer.spec_errors``); the ``kubernetes`` part is ``trainer.kubernetes_spec``'s.
 Standard library and msgspec only: the control plane imports this module without torch.
 """
 
@@ -14,12 +15,14 @@ from __future__ import annotations
 
 import contextvars
 import re
-from typing import Annotated, Any, Literal, get_args, get_origin, get_type_hints
+from typing import Annotated, Any, Literal
 
 import msgspec
-from msgspec import Meta
 
-from trainer.policy import PolicyError, Rule, parse_rules
+from trainer.kubernetes_spec import KubernetesSpec
+from trainer.policy_rules import PolicyError, Rule, parse_rules
+from trainer.spec_errors import SpecError, bound_errors, convert
+from trainer.spec_errors import described as _d
 from trainer.wire import DrillFault, redact
 
 #: The environment variable that carries the whole spec (JSON) from the launcher to each rank.
@@ -37,6 +40,9 @@ IN_PROCESS_SOFT_TIMEOUT_S = 5.0
 PRESETS = ("tiny", "small", "1b")
 BACKENDS = ("local", "kubernetes")
 CHECKPOINT_MODES = ("sync", "async")
+# The allowed values of the fields with a closed set, by name, for the words of a decode error.
+_CHOICES = {"backend": BACKENDS, "preset": PRESETS, "checkpoint_mode": CHECKPOINT_MODES,
+            "image_pull_policy": ("Always", "IfNotPresent", "Never"), "fault": tuple(f.value for f in DrillFault)}
 # A user's entrypoint: a script path (``train.py``, ``src/train.py``), a module run like ``python -m``
 # (``pkg.train``), or a function (``pkg.train:main``).
 _MODULE = r"[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*"
@@ -51,23 +57,11 @@ _RESERVED_ENV = re.compile(
 # What "looks like a secret" in a name: refused in spec.env and in a Kubernetes wrapper (manifests).
 SECRET_ENV = re.compile(r"(TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL|PRIVATE_KEY|API_KEY|ACCESS_KEY)", re.I)
 DRILLS_FOR_USER_CODE = ("exception", "hang", "sigkill")
-_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
-_DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
 
 
 # Set while a stored spec is read back: it was validated when it was stored, and a rule added since must not
 # make an existing job unreadable (its types and bounds are still checked).
 _STORED = contextvars.ContextVar("stored_spec", default=False)
-
-
-class SpecError(ValueError):
-    def __init__(self, errors: dict[str, str]):
-        super().__init__("; ".join(f"{k}: {v}" for k, v in errors.items()))
-        self.errors = errors
-
-
-def _d(text: str, **bounds: Any) -> Meta:
-    return Meta(description=text, **bounds)
 
 
 class Drill(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -92,91 +86,6 @@ class Drill(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tru
         if self.fault == DrillFault.SLOW_RANK:
             return f"{self.step}:{self.fault}:{self.rank}:{self.fraction:g}"
         return f"{self.step}:{self.fault}:{self.rank}"
-
-
-class KubernetesSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """Where and how the pods of a ``kubernetes`` job run."""
-
-    namespace: Annotated[str, _d("the namespace of the job's pods (a DNS label)")] = "unbroken"
-    image: Annotated[str, _d("the trainer image (it has ``pip install ./trainer`` and torch)")] = (
-        "ghcr.io/unbroken/trainer:latest"
-    )
-    gpus_per_node: Annotated[int, _d("nvidia.com/gpu requested per pod", ge=0, le=1024)] = 8
-    efa_per_node: Annotated[int, _d("vpc.amazonaws.com/efa interfaces requested per pod", ge=0, le=1024)] = 32
-    checkpoint_claim: Annotated[
-        str, _d("a ReadWriteMany PersistentVolumeClaim for checkpoints (e.g. FSx for Lustre)")
-    ] = "fsx-checkpoints"
-    node_selector: Annotated[dict[str, str], _d("the pods' node selector")] = msgspec.field(
-        default_factory=dict
-    )
-    tolerations: Annotated[list[dict[str, Any]], _d("the pods' tolerations")] = msgspec.field(
-        default_factory=list
-    )
-    use_jobset: Annotated[bool, _d("a JobSet (one Job per node) instead of one Indexed Job")] = False
-    nvrx_version: Annotated[
-        str,
-        _d(
-            "the nvidia-resiliency-ext release in ``image`` (e.g. 0.4.1); preflight "
-            "checks the resilience settings against it; empty: not checked"
-        ),
-    ] = ""
-    image_pull_policy: Annotated[
-        Literal["Always", "IfNotPresent", "Never"], _d("the pods' image pull policy")
-    ] = "IfNotPresent"
-    command: Annotated[
-        list[str],
-        _d(
-            'a wrapper the container runs the launcher under, e.g. ["bash", "-c", '
-            '"source /env.sh && exec \\"$@\\"", "--"]: it must exec its '
-            "arguments; empty: the launcher is PID 1"
-        ),
-    ] = msgspec.field(default_factory=list)
-    secrets: Annotated[
-        list[str],
-        _d(
-            "Secrets of the namespace mounted read-only at "
-            "/var/run/secrets/user/<name>/<key> (secrets never go in env)"
-        ),
-    ] = msgspec.field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        errors: dict[str, str] = {}
-        if not self.image.strip():
-            errors["kubernetes.image"] = (
-                "name the trainer image, e.g. 123456789012.dkr.ecr.us-east-1.amazonaws.com/trainer:1"
-            )
-        for name in ("gpus_per_node", "efa_per_node"):
-            if getattr(self, name) < 0:
-                errors[f"kubernetes.{name}"] = "must be 0 or more"
-        if not _DNS_SUBDOMAIN.match(self.checkpoint_claim):
-            errors["kubernetes.checkpoint_claim"] = (
-                "must name a PersistentVolumeClaim (ReadWriteMany, e.g. FSx for "
-                "Lustre) in the namespace: lowercase letters, digits, '-', '.'"
-            )
-        if self.image_pull_policy not in ("Always", "IfNotPresent", "Never"):
-            errors["kubernetes.image_pull_policy"] = "must be Always, IfNotPresent or Never"
-        if not all(type(k) is str and type(v) is str for k, v in self.node_selector.items()):
-            errors["kubernetes.node_selector"] = "must map label names to string values"
-        if not all(type(c) is str and c and "\x00" not in c for c in self.command):
-            errors["kubernetes.command"] = (
-                "must be a list of non-empty strings (a wrapper that execs its arguments)"
-            )
-        if (
-            not all(type(n) is str and _DNS_SUBDOMAIN.match(n) for n in self.secrets)
-            or len(self.secrets) > 16
-            or len(set(self.secrets)) < len(self.secrets)
-        ):
-            errors["kubernetes.secrets"] = (
-                "must name up to 16 different Secrets of the namespace (lowercase, '-', '.')"
-            )
-        if not all(type(t) is dict for t in self.tolerations):
-            errors["kubernetes.tolerations"] = (
-                "must be a list of toleration objects (key, operator, value, effect)"
-            )
-        if not _DNS_LABEL.match(self.namespace or ""):
-            errors["kubernetes.namespace"] = "must be a DNS label (lowercase letters, digits, '-')"
-        if errors:
-            raise SpecError(errors)
 
 
 class JobSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -319,7 +228,7 @@ class JobSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
     def __post_init__(self) -> None:
         if _STORED.get():
             return
-        errors = _bound_errors(self)
+        errors = bound_errors(self)
         if self.backend not in BACKENDS:
             errors["backend"] = f"must be one of {', '.join(BACKENDS)}"
         if self.preset not in PRESETS:
@@ -474,7 +383,7 @@ class JobSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
                 kwargs["failure_policy"] = [r.to_dict() for r in parse_rules(kwargs["failure_policy"] or [])]
             except PolicyError as e:
                 raise SpecError(e.errors) from None
-        return _convert(kwargs, cls)
+        return convert(kwargs, cls, _CHOICES)
 
     @classmethod
     def from_stored(cls, data: dict[str, Any]) -> JobSpec:
@@ -482,7 +391,7 @@ class JobSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
         stored (validated then)."""
         token = _STORED.set(True)
         try:
-            return _convert(data, cls)
+            return convert(data, cls, _CHOICES)
         finally:
             _STORED.reset(token)
 
@@ -501,165 +410,6 @@ class JobSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
         except msgspec.DecodeError as e:
             raise SpecError({"spec": f"not a JSON document: {e}"}) from None
         return cls.from_dict(data)
-
-
-_TYPE_WORDS = {
-    "int": "must be an integer",
-    "float": "must be a number",
-    "str": "must be a string",
-    "bool": "must be true or false",
-    "array": "must be a list",
-    "object": "must be an object",
-}
-_AT = re.compile(r"^(?P<what>.*?)(?: - at `\$(?P<path>[^`]*)`)?$", re.S)
-
-
-def _convert(data: dict[str, Any], cls: type[JobSpec]) -> JobSpec:
-    try:
-        return msgspec.convert(data, cls)
-    except msgspec.ValidationError as e:
-        if isinstance(e.__cause__, SpecError):
-            raise e.__cause__ from None
-        raise SpecError(_decode_error(str(e))) from None
-
-
-def _decode_error(text: str) -> dict[str, str]:
-    """msgspec's "Expected `int`, got `str` - at `$.kubernetes.gpus_per_node`" as {field: words of the fix}."""
-    m = _AT.match(text)
-    what, path = (m.group("what"), m.group("path") or "") if m else (text, "")
-    key = path.lstrip(".") or "spec"
-    top = re.split(r"[.\[]", key)[0]
-    if top == "env":
-        return {"env": "must be an object of NAME: value strings"}
-    if top == "args":
-        return {"args": "must be a list of strings"}
-    got = re.match(r"Expected `(\w+)(?: \| null)?`(?:, got `\w+`)?$", what)
-    if got and key.endswith("[...]"):  # a value of an object (node_selector, ...)
-        kind = {"str": "string", "int": "integer", "float": "number"}.get(got.group(1), got.group(1))
-        return {key[:-5]: f"must map names to {kind} values"}
-    if got:
-        return {key: _TYPE_WORDS.get(got.group(1), what)}
-    bound = re.match(r"Expected `\w+` (>=|<=|>|<) (\S+)$", what)
-    if bound:
-        word = {">=": "at least", "<=": "at most", ">": "more than", "<": "less than"}[bound.group(1)]
-        return {key: f"must be {word} {bound.group(2)}"}
-    enum = re.match(r"Invalid enum value (.*)$", what)
-    if enum:
-        return {key: f"{enum.group(1)} is not one of {', '.join(_choices(key))}" if _choices(key) else what}
-    return {key: what}
-
-
-def _choices(key: str) -> tuple[str, ...]:
-    name = key.split(".")[-1].split("[")[0]
-    return {
-        "backend": BACKENDS,
-        "preset": PRESETS,
-        "checkpoint_mode": CHECKPOINT_MODES,
-        "image_pull_policy": ("Always", "IfNotPresent", "Never"),
-        "fault": tuple(f.value for f in DrillFault),
-    }.get(name, ())
-
-
-def _bound_errors(obj: msgspec.Struct) -> dict[str, str]:
-    """The fields' own bounds (their ``Meta``), for a spec built by keywords (decoding checks them too)."""
-    errors: dict[str, str] = {}
-    for name, meta in _metas(type(obj)).items():
-        value = getattr(obj, name)
-        if type(value) not in (int, float):
-            continue
-        lo, hi = _lower(meta), _upper(meta)
-        if lo is not None and value < lo:
-            errors[name] = f"must be at least {lo:g}" if hi is None else f"must be within {lo:g}..{hi:g}"
-        elif hi is not None and value > hi:
-            errors[name] = f"must be at most {hi:g}" if lo is None else f"must be within {lo:g}..{hi:g}"
-    return errors
-
-
-def _lower(meta: Meta) -> float | None:
-    return meta.ge if meta.ge is not None else meta.gt
-
-
-def _upper(meta: Meta) -> float | None:
-    return meta.le if meta.le is not None else meta.lt
-
-
-_METAS: dict[type, dict[str, Meta]] = {}
-
-
-def _metas(cls: type) -> dict[str, Meta]:
-    if cls not in _METAS:
-        out = {}
-        for name, hint in get_type_hints(cls, include_extras=True).items():
-            if get_origin(hint) is Annotated:
-                out[name] = next(m for m in get_args(hint)[1:] if isinstance(m, Meta))
-        _METAS[cls] = out
-    return _METAS[cls]
-
-
-class ReferenceRow(msgspec.Struct, frozen=True):
-    """One field of the spec as the reference shows it."""
-
-    name: str
-    type: str
-    default: str
-    bounds: str
-    description: str
-
-
-def reference_rows() -> list[ReferenceRow]:
-    """The spec's fields (then ``kubernetes.*``'s and ``drills[].*``'s) with type, default, bounds and
-    description, from the type itself: the reference page and the operator OpenAPI read the same facts."""
-    rows = []
-    for prefix, cls in (("", JobSpec), ("kubernetes.", KubernetesSpec), ("drills[].", Drill)):
-        hints = get_type_hints(cls, include_extras=True)
-        for f in msgspec.structs.fields(cls):
-            meta = _metas(cls).get(f.name) or Meta()
-            rows.append(
-                ReferenceRow(
-                    name=prefix + f.encode_name,
-                    type=_type_words(hints[f.name]),
-                    default=_default_words(f),
-                    bounds=_bounds_words(meta),
-                    description=meta.description or "",
-                )
-            )
-    return rows
-
-
-def _type_words(hint: Any) -> str:
-    if get_origin(hint) is Annotated:
-        hint = get_args(hint)[0]
-    origin = get_origin(hint)
-    if origin is Literal:
-        return " | ".join(map(str, get_args(hint)))
-    if isinstance(hint, type) and issubclass(hint, DrillFault):
-        return " | ".join(f.value for f in hint)
-    if origin in (tuple, list):
-        return f"list of {_type_words(get_args(hint)[0])}"
-    if origin is dict:
-        return "object"
-    if hint is type(None):
-        return "null"
-    if origin is not None and type(None) in get_args(hint):
-        return " | ".join(_type_words(a) for a in get_args(hint))
-    return {int: "integer", float: "number", str: "string", bool: "boolean"}.get(
-        hint, getattr(hint, "__name__", str(hint))
-    )
-
-
-def _default_words(f: msgspec.structs.FieldInfo) -> str:
-    if f.default is msgspec.NODEFAULT and f.default_factory is msgspec.NODEFAULT:
-        return "(required)"
-    value = f.default_factory() if f.default is msgspec.NODEFAULT else f.default
-    return msgspec.json.encode(value).decode()
-
-
-def _bounds_words(meta: Meta) -> str:
-    parts = []
-    for op, v in ((">=", meta.ge), (">", meta.gt), ("<=", meta.le), ("<", meta.lt)):
-        if v is not None:
-            parts.append(f"{op} {v:g}")
-    return ", ".join(parts)
 
 
 # The demo runs for several minutes (about 5 on a laptop CPU, at ~5 steps/s) so a newcomer can try a

@@ -31,6 +31,11 @@ log = logging.getLogger(__name__)
 
 _UNSET: Any = object()
 
+#: Events sent when they happen, not at the next interval: an ack (the operator is waiting on it) and a
+#: rank's start (a rank its launcher stops within its first interval, a peer having failed at once, would
+#: otherwise be a rank the control plane never saw start).
+_SENT_AT_ONCE = frozenset({EventKind.COMMAND_ACK, EventKind.RANK_STARTED})
+
 
 class Reporter(Protocol):
     def heartbeat(self, *, step: int, phase: str, loss: float | None = None, step_time_s: float | None = None,
@@ -38,6 +43,9 @@ class Reporter(Protocol):
 
     def event(self, kind: EventKind | str, data: dict[str, Any] | None = None, *, rank: int | None = _UNSET,
               at: float | None = None) -> None: ...
+
+    def flush(self) -> None:
+        """Send what is queued now, not at the next interval (without waiting for it)."""
 
     def close(self, timeout_s: float = 5.0) -> None: ...
 
@@ -47,6 +55,9 @@ class NullReporter:
         pass
 
     def event(self, *_: Any, **__: Any) -> None:
+        pass
+
+    def flush(self) -> None:
         pass
 
     def close(self, timeout_s: float = 5.0) -> None:
@@ -156,7 +167,7 @@ class HttpReporter:
         self._q.append(("ev", Event(id=f"{self._id_prefix}-{seq}", kind=str(kind),
                                     at=time.time() if at is None else at,
                                     rank=self.rank if rank is _UNSET else rank, data=_jsonable(data or {}))))
-        if kind == EventKind.COMMAND_ACK:  # the operator is waiting on it: sent now, not at the next interval
+        if kind in _SENT_AT_ONCE:
             self.flush()
 
     def flush(self) -> None:
@@ -230,9 +241,10 @@ class HttpReporter:
             self._spool.remove(name)
 
     def _poll_commands(self) -> None:
-        req = urllib.request.Request(self._commands_url, headers={"Authorization": f"Bearer {self._token}"})
+        # S310: the control plane's URL (http(s): TrainConfig.validate) or the node agent's (http://, trainer/agent.py).
+        req = urllib.request.Request(self._commands_url, headers={"Authorization": f"Bearer {self._token}"})  # noqa: S310
         try:
-            with urllib.request.urlopen(req, timeout=min(self.timeout_s, max(0.2, self.interval_s / 2))) as r:
+            with urllib.request.urlopen(req, timeout=min(self.timeout_s, max(0.2, self.interval_s / 2))) as r:  # noqa: S310
                 payload = r.read()
         except Exception:  # noqa: BLE001 - the agent is down or busy: the next post (or the fallback) brings them
             return
@@ -273,10 +285,11 @@ def post_batch(endpoint: str, token: str, body: bytes, timeout_s: float, *, who:
     """POST one encoded batch to an ingest endpoint: (OK | RETRY | DROP, the response body, seconds to hold
     off before the next post: a 429's Retry-After with jitter, else 0). A 4xx other than 429 is logged
     (as ``who``) and is DROP: the batch will never be accepted."""
-    req = urllib.request.Request(endpoint, data=body, method="POST", headers={
+    # S310: the control plane's URL (http(s): TrainConfig.validate) or the node agent's (http://, trainer/agent.py).
+    req = urllib.request.Request(endpoint, data=body, method="POST", headers={  # noqa: S310
         "Content-Type": "application/json", "Authorization": f"Bearer {token}"})
     try:
-        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+        with urllib.request.urlopen(req, timeout=timeout_s) as resp:  # noqa: S310
             return OK, resp.read(), 0.0
     except urllib.error.HTTPError as e:
         if e.code == 429:
@@ -297,7 +310,7 @@ def _retry_after_s(value: str | None, *, cap_s: float = 60.0) -> float:
         base = min(cap_s, max(0.0, float(value or 1)))
     except ValueError:
         base = 1.0
-    return base * (1.0 + 0.5 * random.random())
+    return base * (1.0 + 0.5 * random.random())  # noqa: S311 - jitter, not a secret
 
 
 def _jsonable(v: Any) -> Any:

@@ -6,21 +6,18 @@
   rank waiting in a collective; (2) ``progress_watchdog_interval`` > ``monitor_process_interval``, or
   the monitor process never evaluates the soft/hard timeouts; (3) the Wrapper store lives outside the
   ranks (``trainer.launch``), so losing rank 0 does not take it down. No CUDA health checks on CPU.
-- In-job (NVRx ``ft_launcher``): ranks send heartbeats; the launcher's rank monitors kill a silent
-  group and restart it.
+- In-job (NVRx ``ft_launcher``): ranks send heartbeats (``trainer.liveness``); the launcher's rank monitors
+  kill a silent group and restart it.
 
 NB: no ``from __future__ import annotations`` here: NVRx finds the CallWrapper parameter by its
 annotation object.
 """
 
-import contextlib
-import faulthandler
 import datetime
 import logging
 import os
 import socket
 import threading
-import time
 from typing import Any, Callable, Optional
 
 import psutil
@@ -28,8 +25,9 @@ import torch
 import torch.distributed as dist
 
 from trainer import nvrx_compat
+from trainer.liveness import NoRestart
 from trainer.runtime import Session, take_fault
-from trainer.evidence import exception_text, in_collective, main_thread_stack
+from trainer.stacks import exception_text, in_collective, main_thread_stack
 from trainer.wire import MAX_EVIDENCE_CHARS, CycleMark, EventKind, FaultClass, Layer
 
 log = logging.getLogger(__name__)
@@ -37,239 +35,6 @@ log = logging.getLogger(__name__)
 
 def td(seconds: float) -> datetime.timedelta:
     return datetime.timedelta(seconds=seconds)
-
-
-class NoRestart:
-    """The restart scope when in-process restart is off: iteration 0, no watchdog, no atomic lock."""
-
-    iteration = 0
-
-    def ping(self) -> None:
-        pass
-
-    def atomic(self) -> contextlib.AbstractContextManager:
-        return contextlib.nullcontext()
-
-
-# -- in-job: ft_launcher rank monitor client -----------------------------------------------------------
-
-
-class NullFt:
-    def start(self) -> None:
-        pass
-
-    def heartbeat(self) -> None:
-        pass
-
-    def stop(self) -> None:
-        pass
-
-
-class FtClient:
-    """Liveness for ft_launcher: heartbeats to this rank's monitor."""
-
-    def __init__(self) -> None:
-        from nvidia_resiliency_ext.fault_tolerance import RankMonitorClient
-
-        self._client = RankMonitorClient()
-
-    def start(self) -> None:
-        # Reconnect on every in-process iteration: the rank may have been reassigned.
-        self.stop()
-        self._client.init_workload_monitoring()
-
-    def heartbeat(self) -> None:
-        self._client.send_heartbeat()
-
-    def stop(self) -> None:
-        if self._client.is_initialized:
-            with contextlib.suppress(Exception):
-                self._client.shutdown_workload_monitoring()
-
-
-class _Pacer:
-    """A thread that sends a progress signal every ``period_s`` when the loop made progress since the
-    last one: the loop only counts (``tick``: O(1), no system call, no IPC on the step). A hung loop
-    counts nothing, so the signals stop as they would if the loop sent them itself (detected at most
-    ``period_s`` later). ``_lock`` serialises a send with whatever the subclass swaps under it."""
-
-    thread_name = "unbroken-pacer"
-
-    def __init__(self, period_s: float):
-        self.period_s = period_s
-        self.progress = 0
-        self._sent = 0
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread: Optional[threading.Thread] = None
-
-    def tick(self) -> None:
-        self.progress += 1
-
-    def _start(self) -> None:
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name=self.thread_name, daemon=True)
-            self._thread.start()
-
-    def _due(self, progress: int) -> bool:
-        return progress != self._sent
-
-    def _send(self) -> None:  # under ``_lock``
-        raise NotImplementedError
-
-    def _after_send(self) -> None:  # outside the lock
-        pass
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.period_s):
-            with self._lock:
-                progress = self.progress
-                if not self._due(progress):
-                    continue
-                self._sent = progress
-                with contextlib.suppress(Exception):
-                    self._send()
-            self._after_send()
-
-
-class PacedFt(_Pacer):
-    """ft_launcher heartbeats for the SDK (``heartbeat`` counts progress; the thread sends), also while
-    ``keep_alive`` holds the rank alive through a slow phase without progress.
-
-    ``stack_file``: a hang that only ft_launcher catches has no in-process layer to take the hung rank's
-    stack, and ft_launcher kills it with SIGKILL. So each heartbeat sent re-arms ``faulthandler``'s
-    watchdog (``dump_traceback_later``, C-level: it writes every thread's stack even while the main thread
-    is stuck in a C call holding the GIL) to write the stacks to that file ``dump_after_s`` after the last
-    heartbeat, before ft_launcher's timeout ends the rank; the launcher's hooks attach it to the fault."""
-
-    thread_name = "unbroken-ft"
-
-    def __init__(self, client: FtClient, period_s: float = 1.0, *, stack_file: Any = None,
-                 dump_after_s: float = 0.0):
-        super().__init__(period_s)
-        self._client = client
-        self._stack_file, self._dump_after_s = stack_file, dump_after_s
-        self._armed_at = float("-inf")
-        self._alive_until = 0.0
-
-    def start(self) -> None:
-        with self._lock:
-            self._client.start()
-        self._start()
-
-    heartbeat = _Pacer.tick
-
-    def keep_alive(self, until: float) -> None:
-        """Keep sending until ``until`` (monotonic seconds) whether or not the loop progresses."""
-        self._alive_until = until
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._stack_file is not None:
-            faulthandler.cancel_dump_traceback_later()
-        with self._lock:
-            self._client.stop()
-
-    def _due(self, progress: int) -> bool:
-        import time
-
-        return progress != self._sent or time.monotonic() < self._alive_until
-
-    def _send(self) -> None:
-        self._client.heartbeat()
-
-    def _after_send(self) -> None:
-        # Re-armed at most every eighth of its delay (each arming joins faulthandler's watchdog thread and
-        # starts a new one): the stacks are written between 7/8 of the delay and the delay after the last
-        # heartbeat, still before ft_launcher's timeout.
-        now = time.monotonic()
-        due = now - self._armed_at >= self._dump_after_s / 8
-        if self._stack_file is not None and not self._stop.is_set() and due:
-            self._armed_at = now
-            self._stack_file.seek(0)
-            self._stack_file.truncate()  # the file holds the latest hang's stacks only
-            faulthandler.dump_traceback_later(self._dump_after_s, file=self._stack_file)
-
-
-class PacedPing(_Pacer):
-    """NVRx in-process progress pings (``CallWrapper.ping``) for the armed attempt's scope. ``ping`` is
-    a put on a multiprocessing queue to the monitor process (a lock, a wake-up of the queue's feeder
-    thread); on the loop it cost the step up to a few ms at p99 on a node whose cores are all busy.
-    Between attempts nothing is armed: no ping can land in a restart."""
-
-    thread_name = "unbroken-ping"
-
-    def __init__(self, period_s: float = 0.2):
-        super().__init__(period_s)
-        self._scope: Any = None
-
-    def arm(self, scope: Any) -> None:
-        with self._lock:
-            self._scope, self._sent = scope, self.progress
-        self._start()
-
-    def disarm(self) -> None:
-        with self._lock:
-            self._scope = None
-
-    def stop(self) -> None:
-        self._stop.set()
-        self.disarm()
-
-    def _due(self, progress: int) -> bool:
-        return self._scope is not None and progress != self._sent
-
-    def _send(self) -> None:
-        self._scope.ping()
-
-
-class ProgressMark:
-    """The loop's progress for the in-process layer, with no send of ours: each ``tick`` (once a step, on
-    the loop) writes the time of that progress into the armed scope's progress-watchdog timestamp
-    (``CallWrapper.progress_watchdog.timestamp.manual``, what ``CallWrapper.ping`` sets), which NVRx's
-    own watchdog thread already sends to the monitor process every ``progress_watchdog_interval``.
-    ``ping`` sends at once instead (a put on a multiprocessing queue, a wake of its feeder thread, the
-    monitor process's read): from a thread of ours every 0.2 s that was ~10 wakes a second per rank,
-    each taking the interpreter lock from the loop, for a timestamp the watchdog delivers anyway. The
-    monitor now sees when the loop last progressed, not when a later ping went out, so a hang is
-    detected ``soft_timeout`` after the last step (was up to one ping period later).
-
-    ``tick`` is an attribute write and a monotonic clock read (vDSO: no system call). Between attempts
-    nothing is armed (the Wrapper resets the watchdog's timestamp for the next one). A scope with no
-    progress watchdog (an NVRx that moved it) gets pings from a ``PacedPing`` instead; in-process
-    restart off (``NoRestart``): nothing."""
-
-    def __init__(self, fallback_period_s: float = 0.2):
-        self._watchdog: Any = None
-        self._fallback_period_s = fallback_period_s
-        self._fallback: Optional["PacedPing"] = None
-
-    def arm(self, scope: Any) -> None:
-        self.disarm()
-        watchdog = getattr(scope, "progress_watchdog", None)
-        if watchdog is not None and hasattr(watchdog, "timestamp"):
-            self._watchdog = watchdog
-        elif not isinstance(scope, NoRestart):
-            if self._fallback is None:
-                self._fallback = PacedPing(self._fallback_period_s)
-            self._fallback.arm(scope)
-
-    def tick(self) -> None:
-        watchdog = self._watchdog
-        if watchdog is not None:
-            watchdog.timestamp.manual = time.monotonic()
-        elif self._fallback is not None:
-            self._fallback.tick()
-
-    def disarm(self) -> None:
-        self._watchdog = None
-        if self._fallback is not None:
-            self._fallback.disarm()
-
-    def stop(self) -> None:
-        self.disarm()
-        if self._fallback is not None:
-            self._fallback.stop()
 
 
 # -- in-process: NVRx Wrapper and its hooks -------------------------------------------------------------
@@ -361,61 +126,73 @@ def _is_peer_error(exc: BaseException) -> bool:
         s in text for s in ("Connection closed", "Connection reset", "Broken pipe", "Socket", "gloo"))
 
 
-def build_in_process_wrapper(session: Session) -> Any:
-    from nvidia_resiliency_ext import inprocess
+class _Round:
+    """This in-job round's keys in the stores trainer.launch hosts for all rounds: the Wrapper's barriers
+    count arrivals, so every round needs its own key space (``prefix``)."""
 
-    cfg, env = session.cfg, session.env
-    keep_ports = (env.app_store_port, env.wrapper_store_port, int(os.environ.get("MASTER_PORT", "0")))
-    gloo = session.device.type == "cpu"
+    def __init__(self, session: Session, inprocess: Any):
+        self.session, self.inprocess = session, inprocess
+        self.prefix = f"a{session.cfg.attempt}/ij{session.env.restart_count}/"
 
-    round_prefix = f"a{cfg.attempt}/ij{env.restart_count}/"
+    def store_factory(self) -> Any:
+        prefix = self.prefix
 
-    class RoundStore(torch.distributed.PrefixStore, inprocess.store.StoreMixin):
-        """The Wrapper store of this in-job round. trainer.launch hosts one store for all rounds; the
-        Wrapper's barriers count arrivals, so every round needs its own key space."""
+        class RoundStore(torch.distributed.PrefixStore, self.inprocess.store.StoreMixin):
+            """The Wrapper store of this in-job round."""
 
-        def __init__(self, host_name: str, port: int, timeout: datetime.timedelta):
-            base = torch.distributed.TCPStore(host_name, port, is_master=False, use_libuv=True, timeout=timeout)
-            super().__init__(round_prefix, base)
+            def __init__(self, host_name: str, port: int, timeout: datetime.timedelta):
+                base = torch.distributed.TCPStore(host_name, port, is_master=False, use_libuv=True,
+                                                  timeout=timeout)
+                super().__init__(prefix, base)
 
-    store_factory = RoundStore if env.stores_external else inprocess.store.TCPStore
+        return RoundStore if self.session.env.stores_external else self.inprocess.store.TCPStore
 
-    def records_of(iteration: int) -> list[dict[str, Any]]:
+    def records_of(self, iteration: int) -> list[dict[str, Any]]:
+        env = self.session.env
         try:
             store = dist.TCPStore(env.store_host, env.wrapper_store_port, is_master=False, use_libuv=True,
                                   timeout=td(5))
             if env.stores_external:
-                store = torch.distributed.PrefixStore(round_prefix, store)
-            ps = inprocess.store.PrefixStore(iteration, store)
+                store = torch.distributed.PrefixStore(self.prefix, store)
+            ps = self.inprocess.store.PrefixStore(iteration, store)
             return [{"rank": r.rank, "interruption": r.interruption.name} for r in ps.get_interruption_records()]
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - the records only annotate the restart; logged
             log.warning("interruption records of iteration %s unavailable: %r", iteration, e)
             return []
 
-    def stack_key(iteration: int, rank: int) -> str:
-        return f"unbroken/stack/{round_prefix}it{iteration}/r{rank}"
+    def stack_key(self, iteration: int, rank: int) -> str:
+        return f"unbroken/stack/{self.prefix}it{iteration}/r{rank}"
 
-    def keep_stack(iteration: int, rank: int, stack: str) -> None:
+    def keep_stack(self, iteration: int, rank: int, stack: str) -> None:
         """Each rank's main-thread stack at abort: rank 0 tells a hung rank from those waiting for it."""
+        app_store = self.session.app_store
         try:
-            if session.app_store is not None:
-                session.app_store.set(stack_key(iteration, rank), stack)
+            if app_store is not None:
+                app_store.set(self.stack_key(iteration, rank), stack)
         except Exception:  # evidence is best effort
             log.warning("could not keep the stack at abort", exc_info=True)
 
-    def hung_rank(iteration: int, world_size: int) -> tuple[int, str] | None:
+    def hung_rank(self, iteration: int, world_size: int) -> tuple[int, str] | None:
         """The first rank whose loop stopped outside a collective (its peers wait in one), and its stack."""
+        app_store = self.session.app_store
         for r in range(world_size):
             try:
-                key = stack_key(iteration, r)
-                if session.app_store is None or not session.app_store.check([key]):
+                key = self.stack_key(iteration, r)
+                if app_store is None or not app_store.check([key]):
                     continue
-                stack = session.app_store.get(key).decode("utf-8", "replace")
-            except Exception:
+                stack = app_store.get(key).decode("utf-8", "replace")
+            except Exception:  # noqa: BLE001 - a rank whose stack cannot be read is skipped
                 continue
             if stack and not in_collective(stack):
                 return r, stack
         return None
+
+
+def _abort(round_: _Round) -> Any:
+    session, inprocess = round_.session, round_.inprocess
+    env = session.env
+    keep_ports = (env.app_store_port, env.wrapper_store_port, int(os.environ.get("MASTER_PORT", "0")))
+    gloo = session.device.type == "cpu"
 
     class Abort(inprocess.abort.Abort):
         """MonitorThread, every rank: mark detection, unblock gloo, destroy the process groups."""
@@ -435,18 +212,22 @@ def build_in_process_wrapper(session: Session) -> Any:
                         dist.destroy_process_group()
                 else:
                     inprocess.abort.AbortTorchDistributed()(state)
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001 - logged below ("abort failed"); the cycle goes on
                 failed = e
             session.mark(cycle, CycleMark.ABORTED)
             if stack:
                 log.info("abort at step %s: %s", session.last_step, stack)
-                keep_stack(state.iteration, state.rank, stack)
+                round_.keep_stack(state.iteration, state.rank, stack)
             if closed is not None:
                 log.info("abort: shut down %d gloo sockets", closed)
             if failed is not None:
                 log.error("abort failed", exc_info=failed)
             return state
 
+    return Abort()
+
+
+def _finalize(session: Session, inprocess: Any) -> Any:
     class Finalize(inprocess.finalize.Finalize):
         """Main thread, after abort: settle the in-flight checkpoint, keep the local fault's facts."""
 
@@ -458,12 +239,51 @@ def build_in_process_wrapper(session: Session) -> Any:
                                      traceback_text=getattr(exc, "_unbroken_traceback", None)
                                      or exception_text(exc, (session.cfg.token,)))
             if session.checkpointer is not None:
-                settle_checkpoint(session.checkpointer, budget_s=min(5.0, cfg.hard_timeout / 4))
+                settle_checkpoint(session.checkpointer, budget_s=min(5.0, session.cfg.hard_timeout / 4))
                 session.checkpointer = None
             session.ft.stop()
             return state
 
-    class Initialize(inprocess.initialize.Initialize):
+    return Finalize()
+
+
+def _report_recovered_fault(round_: _Round, state: Any, cycle: Any) -> None:
+    """Rank 0, after a restart: the fault it recovers from, from the facts a rank left (``take_fault``),
+    else the Wrapper's interruption records, with the hung rank's stack for a hang."""
+    session = round_.session
+    recs = round_.records_of(state.iteration - 1)
+    facts = take_fault(session.app_store, session.env.restart_count) or {}
+    if facts.get("kind") == "command":  # an operator asked for this restart; it is not a fault
+        session.mark(cycle, CycleMark.FAULT, at=float(facts["at"]), step=facts.get("step"),
+                     command_id=facts.get("command_id"))
+        return
+    names = [r["interruption"] for r in recs]
+    fault = facts.get("fault") or _interruption_to_fault(names)
+    ranks = sorted({r["rank"] for r in recs})
+    rank = facts.get("rank", ranks[0] if ranks else None)
+    message = _with_traceback(facts.get("message") or ", ".join(
+        f"rank {r['rank']}: {r['interruption']}" for r in recs), facts.get("traceback"))
+    world = getattr(state, "world_size", None) or int(os.environ.get("WORLD_SIZE", "1"))
+    hung = round_.hung_rank(state.iteration - 1, world) if fault == FaultClass.HANG \
+        and "rank" not in facts else None
+    if hung is not None:  # the timeouts name whoever timed out first; the stacks name the hung rank
+        rank = hung[0]
+        message = f"rank {rank} hung outside a collective ({message})\n\n{hung[1]}"
+        message = message[:MAX_EVIDENCE_CHARS]
+    session.reporter.event(EventKind.FAULT, {
+        "fault": fault, "cycle": cycle.key if cycle else None, "detected_by": Layer.IN_PROCESS,
+        "message": message, "rank": rank,
+        "interruption": ",".join(sorted(set(names))) or None, "interruptions": recs,
+        "step": facts.get("step", session.last_step),
+    }, rank=rank)
+    if facts.get("at"):
+        session.mark(cycle, CycleMark.FAULT, at=float(facts["at"]), step=facts.get("step"))
+
+
+def _initialize(round_: _Round) -> Any:
+    session = round_.session
+
+    class Initialize(round_.inprocess.initialize.Initialize):
         """Main thread, every iteration: the restart is done; rank 0 reports the fault it recovers from."""
 
         def __call__(self, state: Any) -> Any:
@@ -472,62 +292,48 @@ def build_in_process_wrapper(session: Session) -> Any:
                 return state
             cycle = session.cycle(state.iteration)
             session.mark(cycle, CycleMark.RESTARTED)
-            if state.rank != 0:
-                return state
-            recs = records_of(state.iteration - 1)
-            facts = take_fault(session.app_store, env.restart_count) or {}
-            if facts.get("kind") == "command":  # an operator asked for this restart; it is not a fault
-                session.mark(cycle, CycleMark.FAULT, at=float(facts["at"]), step=facts.get("step"),
-                             command_id=facts.get("command_id"))
-                return state
-            names = [r["interruption"] for r in recs]
-            fault = facts.get("fault") or _interruption_to_fault(names)
-            ranks = sorted({r["rank"] for r in recs})
-            rank = facts.get("rank", ranks[0] if ranks else None)
-            message = _with_traceback(facts.get("message") or ", ".join(
-                f"rank {r['rank']}: {r['interruption']}" for r in recs), facts.get("traceback"))
-            world = getattr(state, "world_size", None) or int(os.environ.get("WORLD_SIZE", "1"))
-            hung = hung_rank(state.iteration - 1, world) if fault == FaultClass.HANG \
-                and "rank" not in facts else None
-            if hung is not None:  # the timeouts name whoever timed out first; the stacks name the hung rank
-                rank = hung[0]
-                message = f"rank {rank} hung outside a collective ({message})\n\n{hung[1]}"
-                message = message[:MAX_EVIDENCE_CHARS]
-            session.reporter.event(EventKind.FAULT, {
-                "fault": fault, "cycle": cycle.key if cycle else None, "detected_by": Layer.IN_PROCESS,
-                "message": message, "rank": rank,
-                "interruption": ",".join(sorted(set(names))) or None, "interruptions": recs,
-                "step": facts.get("step", session.last_step),
-            }, rank=rank)
-            if facts.get("at"):
-                session.mark(cycle, CycleMark.FAULT, at=float(facts["at"]), step=facts.get("step"))
+            if state.rank == 0:
+                _report_recovered_fault(round_, state, cycle)
             return state
 
+    return Initialize()
+
+
+def _terminate(inprocess: Any) -> Any:
     class Terminate(inprocess.terminate.Terminate):
         def __call__(self, state: Any) -> Any:
             log.error("in-process restart gave up on rank %s (iteration %s): %r", state.rank, state.iteration,
                       state.fn_exception)
             return state
 
+    return Terminate()
+
+
+def build_in_process_wrapper(session: Session) -> Any:
+    """NVRx's in-process Wrapper with our hooks (abort, finalize, initialize, terminate) and timings."""
+    from nvidia_resiliency_ext import inprocess
+
+    cfg, env = session.cfg, session.env
+    round_ = _Round(session, inprocess)
     log_dir = os.path.join(cfg.run_dir, "logs")
     os.makedirs(log_dir, exist_ok=True)
     hb_timeout = cfg.hard_timeout + 5.0
     barrier = max(120.0, hb_timeout + 30.0, cfg.ckpt_timeout)
     kwargs = nvrx_compat.wrapper_kwargs(
-        store_factory=store_factory,
+        store_factory=round_.store_factory(),
         store_kwargs={"host_name": env.store_host, "port": env.wrapper_store_port, "timeout": td(barrier)},
         # Compose runs right to left: the retry limits first, then our reporting.
         initialize=inprocess.Compose(
-            Initialize(),
+            _initialize(round_),
             # The full world or nothing: a lost rank is the in-job layer's (or the job's) to restart,
             # and a fixed world keeps the data, and so the loss curve, identical to an uninterrupted run.
             inprocess.initialize.RetryController(max_iterations=cfg.max_in_process_restarts + 1,
                                                  min_world_size=env.world_size),
         ),
-        abort=Abort(),
-        finalize=Finalize(),
+        abort=_abort(round_),
+        finalize=_finalize(session, inprocess),
         health_check=None,  # CudaHealthCheck is a no-op on CPU; a rank is healthy if it got here
-        terminate=Terminate(),
+        terminate=_terminate(inprocess),
         # The monitor thread blocks in a store wait on the "a rank was interrupted" key, so it sees a
         # restart as soon as the key is set whatever this is; the interval is only that wait's timeout,
         # after which it raises (DistStoreError), loops and waits again. At 0.2 s that loop cost every

@@ -91,7 +91,7 @@ def connect_store(env: RankEnv, port: int, timeout_s: float = 300.0) -> dist.TCP
 
 
 def hang_stack_path(run_dir: str, rank: int) -> str:
-    """Where a rank's faulthandler writes its threads' stacks when its loop stops beating (``PacedFt``)."""
+    """Where a rank's faulthandler writes its threads' stacks when its loop stops beating (``liveness.FtHeartbeats``)."""
     return os.path.join(run_dir, f"hang-stack-r{rank}.txt")
 
 
@@ -148,7 +148,7 @@ def take_fault(store: Any, restart_count: int, rank: int | None = None) -> dict[
         raw = store.get(key)
         store.delete_key(key)
         return json.loads(raw) if raw else None
-    except Exception:  # facts are best effort; never block a restart on them
+    except Exception:  # noqa: BLE001 - facts are best effort; never block a restart on them
         return None
 
 
@@ -165,7 +165,7 @@ class Session:
                  inbox: Any, device: torch.device):
         self.cfg, self.env, self.reporter, self.app_store = cfg, env, reporter, app_store
         self.ft, self.inbox, self.device = ft, inbox, device
-        from trainer.checkpoint import MemorySnapshot  # DCP: only in ranks, never in the launcher
+        from trainer.checkpoint_copies import MemorySnapshot  # DCP: only in ranks, never in the launcher
 
         self.checkpointer: Any = None  # the current iteration's, for the finalize hook
         self.snapshot = MemorySnapshot()  # the newest staged state, for in-process restarts

@@ -279,7 +279,7 @@ def serve(fd: int, nice: int = STANDBY_NICE) -> int:
             niced = True
         except OSError:
             pass
-    import trainer.preload  # noqa: F401  (imports UNBROKEN_PRELOAD_MODULES: the SDK's and the script's packages)
+    import trainer.preload  # imports UNBROKEN_PRELOAD_MODULES: the SDK's and the script's packages
     import trainer.shim
 
     try:

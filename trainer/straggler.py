@@ -1,4 +1,4 @@
-"""Each rank's own work per step, for the control plane's straggler rule (``controlplane/jobs/health.py``).
+"""Each rank's own work per step, for the control plane's straggler rule (``controlplane/jobs/rank_health.py``).
 
 In lock-step training every rank's wall step time is the same: the ranks that are not slow wait for the
 slow one inside the next collective. What sets a straggler apart is its own work, so each step is also

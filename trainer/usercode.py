@@ -10,36 +10,42 @@ launcher (exception type, message and traceback; ``sys.exit(n)``; drills), the r
 What the SDK adds (Level 1): heartbeats from the loop itself (so a hung loop stops beating), phases,
 commands at step boundaries, and ft_launcher heartbeats from the same calls.
 
-Progress lines (Level 0): a line containing ``step N`` / ``step=N`` / ``step: N`` (any case) is a
-progress report; ``loss X`` / ``loss=X`` on the same line is its loss. ``UNBROKEN {"step": N,
-"loss": X}`` is the explicit form. Only the rank's Python-level writes to ``sys.stdout`` are read.
+Progress lines (Level 0) are ``trainer.progress_lines``'s.
 """
 
 from __future__ import annotations
 
 import contextlib
 import faulthandler
-import io
 import json
 import logging
 import os
-import re
 import signal
 import socket
 import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 from trainer.config import TrainConfig
 from trainer.control import EXIT_RESTART_IN_JOB, CommandInbox, Drills, ack_event
-from trainer.straggler import BusyClock
+from trainer.progress_lines import LineTee, parse_progress
 from trainer.reporter import Reporter, make_reporter
 from trainer.runtime import RankEnv, connect_store, fault_key, hang_stack_path, record_fault_facts
-from trainer.wire import (CommandKind, CycleMark, DrillFault, EventKind, FaultClass, Layer, Phase, cycle_key,
-                          redact)
+from trainer.straggler import BusyClock
+from trainer.wire import (
+    CommandKind,
+    CycleMark,
+    DrillFault,
+    EventKind,
+    FaultClass,
+    Layer,
+    Phase,
+    cycle_key,
+    redact,
+)
 
 log = logging.getLogger(__name__)
 
@@ -47,32 +53,9 @@ SDK_VERSION = "0.1.0"
 ENV_RESTART_COUNT = "UNBROKEN_RESTART_COUNT"
 ENV_CHECKPOINT_DIR = "UNBROKEN_CHECKPOINT_DIR"
 
-_STEP = re.compile(r"\bstep[\s=:]+(\d+)\b", re.IGNORECASE)
-_LOSS = re.compile(r"\bloss[\s=:]+([-+]?(?:\d+\.?\d*(?:[eE][-+]?\d+)?|\.\d+|nan|inf))", re.IGNORECASE)
-_EXPLICIT = "UNBROKEN "
 # Exceptions that mean "this code cannot start": retrying the same code cannot help.
 _CANNOT_START = (ImportError, SyntaxError)
 MAX_TRACEBACK_CHARS = 3000
-
-
-def parse_progress(line: str) -> tuple[int, float | None] | None:
-    """(step, loss) of a progress line, or None. See the module docstring for the forms."""
-    if line.startswith(_EXPLICIT):
-        try:
-            obj = json.loads(line[len(_EXPLICIT):])
-        except ValueError:
-            return None
-        step, loss = obj.get("step") if isinstance(obj, dict) else None, None
-        if type(step) is not int or step < 0:
-            return None
-        if type(obj.get("loss")) in (int, float):
-            loss = float(obj["loss"])
-        return step, loss
-    m = _STEP.search(line)
-    if m is None:
-        return None
-    lm = _LOSS.search(line)
-    return int(m.group(1)), (float(lm.group(1)) if lm else None)
 
 
 def versions() -> dict[str, str]:
@@ -86,53 +69,6 @@ def versions() -> dict[str, str]:
         torch_v = "not installed"
     return {"sdk": SDK_VERSION, "torch": torch_v, "nvrx": nvrx_compat.version_str(),
             "python": ".".join(map(str, sys.version_info[:3]))}
-
-
-class _LineTee(io.TextIOBase):
-    """A text stream that passes writes through and hands each complete line to ``on_line``."""
-
-    def __init__(self, inner: Any, log_file: Any, on_line: Callable[[str], None] | None):
-        self._inner, self._log, self._on_line = inner, log_file, on_line
-        self._buf = ""
-
-    def write(self, s: str) -> int:
-        n = self._inner.write(s)
-        with contextlib.suppress(Exception):
-            self._log.write(s)
-        if self._on_line is not None:
-            self._buf += s
-            if "\n" in self._buf:
-                *lines, self._buf = self._buf.split("\n")
-                self._buf = self._buf[-4096:]
-                for line in lines:
-                    self._on_line(line)  # may raise: a drill's injected exception surfaces in the print
-        return n
-
-    def flush(self) -> None:
-        self._inner.flush()
-        with contextlib.suppress(Exception):
-            self._log.flush()
-
-    def writable(self) -> bool:
-        return True
-
-    # io.TextIOBase defines these (raising or returning None), so __getattr__ would never see them.
-    def fileno(self) -> int:
-        return self._inner.fileno()
-
-    def isatty(self) -> bool:
-        return self._inner.isatty()
-
-    @property
-    def encoding(self) -> str:  # type: ignore[override]
-        return self._inner.encoding
-
-    @property
-    def errors(self) -> str | None:  # type: ignore[override]
-        return self._inner.errors
-
-    def __getattr__(self, name: str) -> Any:  # fileno, isatty, encoding, buffer, ...
-        return getattr(self._inner, name)
 
 
 class UserRun:
@@ -281,15 +217,11 @@ class UserRun:
             step_time = None
             if self._last_step_t is not None and step > self.step_no:
                 step_time = (now - self._last_step_t) / (step - self.step_no)
-            if step > self.step_no:
-                self._moved_at, self._stacks_written = time.monotonic(), False
             self._last_step_t = now
-            self.step_no, self.loss, self.phase = step, loss, Phase.TRAIN
-            self.progress_seen = True
+            first = self._advance(step, loss)
         self.reporter.heartbeat(step=step, phase=Phase.TRAIN, loss=loss, step_time_s=step_time,
                                 tokens_per_s=tokens_per_s)
-        if not self._first_step_marked:
-            self._first_step_marked = True
+        if first:
             self._mark(CycleMark.FIRST_STEP, step=step)
         self._share(step, loss)
         self._due_drills(step)
@@ -315,16 +247,23 @@ class UserRun:
             if not self.app_store.check([self._progress_key()]):
                 return
             step, loss = json.loads(self.app_store.get(self._progress_key()))
-        except Exception:
+        except Exception:  # noqa: BLE001 - progress is best effort: the step stays as it was
             return
-        if step > self.step_no:
-            self.step_no, self.loss, self.phase = step, loss, Phase.TRAIN
-            self._moved_at, self._stacks_written = time.monotonic(), False
-            self.progress_seen = True  # training moves, though this rank prints nothing
-            if not self._first_step_marked:
-                self._first_step_marked = True
+        if step > self.step_no:  # training moves, though this rank prints nothing
+            if self._advance(step, loss):
                 self._mark(CycleMark.FIRST_STEP, step=step)
             self._due_drills(step)
+
+    def _advance(self, step: int, loss: float | None) -> bool:
+        """Training is at ``step``, from either source of progress (this rank's own, or the step another
+        rank shared): the step, its loss and the phase; the hang watch's clock restarts when the step grew.
+        True the first time, when the caller marks the cycle's first step (after its own report of it)."""
+        if step > self.step_no:
+            self._moved_at, self._stacks_written = time.monotonic(), False
+        self.step_no, self.loss, self.phase = step, loss, Phase.TRAIN
+        self.progress_seen = True
+        first, self._first_step_marked = not self._first_step_marked, True
+        return first
 
     def on_line(self, line: str) -> None:
         if self.level > 0:
@@ -455,7 +394,7 @@ class UserRun:
         had_ft, self.level = self.level >= 1, level
         self._integration()
         if self.env.in_job and not had_ft:
-            from trainer.resilience import FtClient, PacedFt
+            from trainer.liveness import FtClient, FtHeartbeats
 
             try:
                 # A hung loop's stack, written before ft_launcher's heartbeat timeout kills the rank.
@@ -463,8 +402,8 @@ class UserRun:
                 stack = open(path, "w", encoding="utf-8")  # noqa: SIM115 - kept open for faulthandler
                 # Each heartbeat is a round trip to the rank monitor process: ~1 s apart is plenty
                 # against its timeout (the step timeout, tens of seconds by default).
-                self.ft = PacedFt(FtClient(), period_s=min(1.0, self.cfg.step_timeout / 10), stack_file=stack,
-                                  dump_after_s=max(0.5, 0.75 * self.cfg.step_timeout))
+                self.ft = FtHeartbeats(FtClient(), period_s=min(1.0, self.cfg.step_timeout / 10),
+                                       stack_file=stack, dump_after_s=max(0.5, 0.75 * self.cfg.step_timeout))
                 self.ft.start()
             except Exception:
                 log.warning("ft_launcher heartbeats unavailable", exc_info=True)
@@ -521,7 +460,7 @@ def tee_output(run: UserRun, log_path: str) -> Any:
     log_file = open(log_path, "a", encoding="utf-8", buffering=1)  # noqa: SIM115 - lives as long as the rank
     log_file.write(f"--- rank {run.rank}, attempt {run.cfg.attempt}, in-job round {run.env.restart_count}, "
                    f"pid {os.getpid()} ---\n")
-    sys.stdout = _LineTee(sys.stdout, log_file, run.on_line)
-    sys.stderr = _LineTee(sys.stderr, log_file, None)
+    sys.stdout = LineTee(sys.stdout, log_file, run.on_line)
+    sys.stderr = LineTee(sys.stderr, log_file, None)
     return log_file
 

@@ -1,7 +1,9 @@
 """The wire format between trainer and control plane, and the one shared vocabulary.
 
 Both sides import this module; it depends on the standard library only (no torch, no Django),
-so the control plane can import it without pulling in the trainer.
+so the control plane can import it without pulling in the trainer. The shared vocabulary (phases, fault
+classes, layers, event kinds: ``trainer.vocabulary``) and the redaction (``trainer.redaction``) are
+re-exported here.
 
 A batch is one JSON object POSTed to ``/api/v1/jobs/<job_id>/ingest`` with
 ``Authorization: Bearer <job token>``::
@@ -26,13 +28,28 @@ Event ids make retries harmless: the control plane stores each (job, id) once.
 
 from __future__ import annotations
 
-import re
-
 import json
 import math
 from dataclasses import MISSING, dataclass, field, fields
 from enum import StrEnum
 from typing import Any
+
+# The vocabulary and the redaction have modules of their own; both sides import them from here.
+from trainer.redaction import MAX_EVIDENCE_CHARS, REDACTED, SECRET_NAME, TOKEN_SHAPES, looks_secret, redact  # noqa: F401
+from trainer.vocabulary import (  # noqa: F401
+    SLOW_PHASES,
+    CheckpointMode,
+    CheckpointState,
+    CommandKind,
+    CycleMark,
+    DrillFault,
+    EventKind,
+    FaultClass,
+    Layer,
+    Phase,
+    RestoredFrom,
+    cycle_key,
+)
 
 WIRE_VERSION = 1
 MAX_BODY_BYTES = 4 * 1024 * 1024
@@ -66,189 +83,6 @@ MAX_TOKENS_PER_S = 1e15
 # An event's ``data``: nesting depth (the top-level object is depth 1) and encoded size.
 MAX_DATA_DEPTH = 4
 MAX_DATA_BYTES = 16 * 1024
-
-
-class Phase(StrEnum):
-    INIT = "init"
-    TRAIN = "train"
-    CHECKPOINT_SAVE = "checkpoint_save"
-    CHECKPOINT_LOAD = "checkpoint_load"
-    EVAL = "eval"  # a slow phase: the checkpoint timeout applies
-    DATA = "data"
-    RESTARTING = "restarting"
-    STOPPED = "stopped"
-
-
-# Phases in which a rank may rightly go quiet for long: the job's checkpoint timeout applies, not the
-# step timeout (the control plane's deadlines, the SDK's ft_launcher keep-alive).
-SLOW_PHASES = frozenset({Phase.CHECKPOINT_SAVE, Phase.CHECKPOINT_LOAD, Phase.EVAL, Phase.INIT, Phase.RESTARTING})
-
-
-class FaultClass(StrEnum):
-    EXCEPTION = "exception"
-    HANG = "hang"
-    PROCESS_KILLED = "process_killed"
-    NAN_LOSS = "nan_loss"
-    HEARTBEAT_LOST = "heartbeat_lost"
-    STALLED = "stalled"
-    NODE_LOST = "node_lost"
-    OOM_KILLED = "oom_killed"
-    EVICTED = "evicted"
-    UNSCHEDULABLE = "unschedulable"
-    IMAGE_PULL = "image_pull"
-
-
-class DrillFault(StrEnum):
-    """Faults the trainer can inject (fault drills)."""
-
-    EXCEPTION = "exception"
-    HANG = "hang"  # Python-level hang: the loop spins without progress
-    HANG_COLLECTIVE = "hang_collective"  # hang in a C call / collective (GIL released)
-    SIGKILL = "sigkill"
-    NAN_LOSS = "nan_loss"
-    SLOW_RANK = "slow_rank"  # not a fault: the rank spends an extra fraction of each step busy (a straggler)
-
-
-class Layer(StrEnum):
-    IN_PROCESS = "in_process"
-    IN_JOB = "in_job"
-    JOB = "job"
-    NONE = "none"
-
-
-class CycleMark(StrEnum):
-    """Timestamps of one restart cycle, in order."""
-
-    FAULT = "fault_at"
-    DETECTED = "detected_at"
-    ABORTED = "aborted_at"
-    RESTARTED = "restarted_at"
-    CHECKPOINT_LOADED = "checkpoint_loaded_at"
-    FIRST_STEP = "first_step_at"
-
-
-class CheckpointState(StrEnum):
-    IN_FLIGHT = "in_flight"
-    DURABLE = "durable"
-    FAILED = "failed"
-    ABANDONED = "abandoned"
-
-
-class CheckpointMode(StrEnum):
-    SYNC = "sync"
-    ASYNC = "async"
-
-
-class CommandKind(StrEnum):
-    STOP = "stop"
-    RESTART = "restart"
-    INJECT_FAULT = "inject_fault"
-
-
-class RestoredFrom(StrEnum):
-    """Where a restart's state came from (the ``checkpoint_loaded_at`` cycle mark's ``restored_from``)."""
-
-    MEMORY = "memory"  # the newest staged snapshot in host memory (in-process restarts)
-    LOCAL = "local"  # this node's copy of the newest durable async save (in-job restarts)
-    DISK = "disk"  # the newest durable checkpoint
-
-
-class EventKind(StrEnum):
-    """What an event's ``data`` holds, by kind:
-
-    - ``rank_started``: iteration (in-process), restart_count (in-job), world_size, node, pid
-    - ``rank_finished``: step, loss (final)
-    - ``fault``: fault (FaultClass), cycle, message, detected_by (a Layer or "trainer"/"launcher")
-    - ``cycle``: cycle (key shared by every rank and the launcher), layer, mark (CycleMark),
-      step (for restarted/checkpoint_loaded: the step resumed from), restored_from (checkpoint_loaded:
-      RestoredFrom)
-    - ``checkpoint``: step, mode, state, blocking_s, write_s, bytes, interference_s (durable async
-      saves: the extra time of the steps that overlapped the background save, against the steps
-      just before it, its blocked time not included)
-    - ``command_ack``: command_id, ok (bool), detail
-    - ``launcher``: message (free-form facts only the launcher sees: exit codes, signals)
-    - ``integration``: level (0 unmodified script, 1 SDK calls, 2 SDK entrypoint), entrypoint, sdk,
-      torch, nvrx (versions) - sent by each rank of a job that runs the user's own code
-    """
-
-    RANK_STARTED = "rank_started"
-    RANK_FINISHED = "rank_finished"
-    FAULT = "fault"
-    CYCLE = "cycle"
-    CHECKPOINT = "checkpoint"
-    COMMAND_ACK = "command_ack"
-    LAUNCHER = "launcher"
-    INTEGRATION = "integration"
-
-
-def cycle_key(*, attempt: int = 0, restart_count: int | None = None, iteration: int | None = None) -> str:
-    """The key of a restart cycle, identical on every rank, the launcher and the control plane.
-
-    ``attempt`` counts job-level restarts (new processes or pods, started by the control plane),
-    ``restart_count`` is ft_launcher's in-job round (TORCHELASTIC_RESTART_COUNT) and ``iteration``
-    the in-process Wrapper iteration. A cycle is named by what restarted:
-    job-level ``job<A>``; in-job ``a<A>-ij<N>``; in-process ``a<A>-ij<N>-ip<I>``.
-    """
-    if restart_count is None:
-        return f"job{attempt}"
-    if iteration is None:
-        return f"a{attempt}-ij{restart_count}"
-    return f"a{attempt}-ij{restart_count}-ip{iteration}"
-
-
-# --- evidence: what a fault's text may carry off the rank -------------------------------------------
-
-MAX_EVIDENCE_CHARS = 4000  # a fault's message with its traceback, as stored
-# A name that holds a secret: its last part is one of these words (``HF_TOKEN``, ``db_password``,
-# ``OPENAI_API_KEY``, ``DB_PASS``), so ``tokens=``, ``max_tokens=``, ``token_count=`` and ``tokenizer=`` are
-# code and numbers, not secrets.
-SECRET_NAME = (r"(?<![A-Za-z0-9_.-])(?:[A-Za-z0-9]+[_.-])*"
-               r"(?:[A-Za-z0-9]*(?:TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIALS?|APIKEY)|PASS|PWD"
-               r"|(?:API|PRIVATE|ACCESS|SECRET|AUTH)[_.-]?KEY)(?![A-Za-z0-9])")
-# Well-known token shapes, whatever name carries them: ours (ingest tokens, ``ubk_``), Hugging Face,
-# GitHub, AWS access key ids, OpenAI/Anthropic-style keys, Slack, JWTs.
-TOKEN_SHAPES = (r"ubk_[A-Za-z0-9_-]{20,}|hf_[A-Za-z0-9]{20,}|gh[pousr]_[A-Za-z0-9]{20,}|"
-                r"github_pat_[A-Za-z0-9_]{20,}|"
-                r"A[KS]IA[0-9A-Z]{16}|sk-[A-Za-z0-9_-]{20,}|xox[abprs]-[A-Za-z0-9-]{10,}|"
-                r"eyJ[A-Za-z0-9_-]{8,}\.eyJ[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]{8,}")
-REDACTED = "[redacted]"
-_REDACT = re.compile(
-    # name, its closing quote in a dict's repr ('HF_TOKEN': '...'), separator, the value; a value already
-    # redacted is left alone (the text passes through here on the rank and again on the control plane).
-    rf"(?i:(?P<name>{SECRET_NAME})(?P<sep>['\"]?\s*[=:]\s*)(?P<q>['\"]?)"
-    r"(?!\[redacted\])(?P<value>[^\s'\",;()\[\]{}]+))"
-    r"|(?i:(?P<scheme>bearer|basic)\s+)(?!\[redacted\])(?P<cred>[A-Za-z0-9._~+/=-]{8,})"
-    rf"|(?P<shape>\b(?:{TOKEN_SHAPES})\b)"
-    r"|(?P<url>(?<=://)[^\s/:@]+:[^\s/@]+(?=@))")
-_SECRET_VALUE = re.compile(rf"\b(?:{TOKEN_SHAPES})\b")
-
-
-def looks_secret(value: str) -> bool:
-    """Whether ``value`` has a well-known token's shape (the spec's env check refuses such values)."""
-    return bool(_SECRET_VALUE.search(value))
-
-
-def redact(text: str, secrets: tuple[str, ...] = ()) -> str:
-    """``text`` without secrets: the given values (the job's ingest token), values of names that look
-    like secrets (``HF_TOKEN=...``, ``password: ...``, ``'DB_PASS': '...'``), ``Bearer``/``Basic``
-    credentials, well-known token shapes (our ingest tokens, Hugging Face, GitHub, AWS access key ids,
-    OpenAI-style keys, Slack, JWTs) and passwords in URLs. The one redaction of the product: used by the
-    trainer before a fault leaves the rank, by the control plane before a fault or a log is stored or
-    shown. Idempotent: redacting twice changes nothing more."""
-    for s in secrets:
-        if s and len(s) >= 6:
-            text = text.replace(s, REDACTED)
-
-    def sub(m: re.Match) -> str:
-        if m.group("name"):
-            return f"{m.group('name')}{m.group('sep')}{m.group('q')}{REDACTED}"
-        if m.group("cred"):
-            return f"{m.group('scheme')} {REDACTED}"
-        if m.group("url"):
-            return f"{m.group('url').split(':', 1)[0]}:{REDACTED}"
-        return REDACTED
-
-    return _REDACT.sub(sub, text)
 
 
 class WireError(ValueError):

@@ -1,4 +1,4 @@
-"""Rows to response types. Every figure is read from the model or ``controlplane.jobs.figures``, the
+"""Rows to response types. Every figure is read from the model or ``controlplane.jobs.readouts``, the
 same source as the job page; this module only copies them across."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ from django.db.models import Count
 from django.urls import reverse
 
 from controlplane.api import schema
-from controlplane.jobs import attribution, figures
-from controlplane.jobs.evidence import fault_evidence
+from controlplane.jobs import attribution, readouts
 from controlplane.jobs import models as m
+from controlplane.jobs.evidence import fault_evidence
 from controlplane.jobs.goodput import PARTS
 from controlplane.jobs.versions import runtime_versions
 from trainer.wire import Layer, redact
@@ -31,7 +31,7 @@ def _job_fields(job: m.Job) -> dict:
     return dict(
         id=job.pk, name=job.name, status=job.status, status_reason=job.status_reason, backend=job.backend,
         attempt=job.attempt, last_step=job.last_step, steps=job.job_spec.steps,
-        progress_pct=figures.progress_pct(job), created_at=job.created_at, started_at=job.started_at,
+        progress_pct=readouts.progress_pct(job), created_at=job.created_at, started_at=job.started_at,
         first_step_at=job.first_step_at, finished_at=job.finished_at, spec=job.spec, links=links(job),
     )
 
@@ -51,7 +51,7 @@ def goodput(job: m.Job, now: datetime) -> schema.Goodput:
 
 def job_detail(job: m.Job, now: datetime) -> schema.JobDetail:
     ranks: dict[str, int] = {}
-    for f in figures.rank_figures(job, figures.world(job, m.Rank.objects.filter(job=job)), now):
+    for f in readouts.rank_figures(job, readouts.world(job, m.Rank.objects.filter(job=job)), now):
         ranks[f.health] = ranks.get(f.health, 0) + 1
     commands = dict(
         m.Command.objects.filter(job=job).values_list("status").annotate(n=Count("id")).order_by()
@@ -60,14 +60,14 @@ def job_detail(job: m.Job, now: datetime) -> schema.JobDetail:
     summary = schema.Summary(
         goodput=goodput(job, now),
         restarts={layer.value: 0 for layer in Layer if layer != Layer.NONE}
-        | figures.restarts_by_layer([job.pk]).get(job.pk, {}),
+        | readouts.restarts_by_layer([job.pk]).get(job.pk, {}),
         faults=m.Fault.objects.filter(job=job).count(),
-        checkpoints=figures.checkpoint_counts(states),
+        checkpoints=readouts.checkpoint_counts(states),
         ranks=ranks,
         commands=commands,
         quarantined=m.QuarantinedHeartbeat.objects.filter(job=job).count(),
     )
-    reported = figures.integration(job)
+    reported = readouts.integration(job)
     integration = schema.Integration(
         entrypoint=job.job_spec.entrypoint, level=reported.level, versions=reported.versions
     ) if reported is not None else None
@@ -75,7 +75,7 @@ def job_detail(job: m.Job, now: datetime) -> schema.JobDetail:
     return schema.JobDetail(**_job_fields(job), summary=summary, integration=integration, ran_with=ran_with)
 
 
-def rank(f: figures.RankFigures, now: datetime) -> schema.Rank:
+def rank(f: readouts.RankFigures, now: datetime) -> schema.Rank:
     return schema.Rank(
         rank=f.rank, node=f.node, health=f.health,
         heartbeat_at=datetime.fromtimestamp(f.hb_at, tz=now.tzinfo) if f.hb_at is not None else None,
@@ -87,13 +87,13 @@ def rank(f: figures.RankFigures, now: datetime) -> schema.Rank:
 
 def fault(f: m.Fault, rank_nodes: dict[int, str] | None = None, *, ended: bool = False,
           summary: str | None = None) -> schema.Fault:
-    fig = figures.fault_figures(f, rank_nodes=rank_nodes, ended=ended)
+    fig = readouts.fault_figures(f, rank_nodes=rank_nodes, ended=ended)
     if summary is None:
         summary = fault_evidence(f, rank_nodes=rank_nodes, ended=ended).summary
     echoes = attribution.consequences(f) if f.primary_id is None else []
     return schema.Fault(
         id=f.pk, at=f.at, detected_at=f.detected_at, fault_class=f.fault_class, rank=f.rank, node=fig.node,
-        detected_by=f.detected_by, message=(msg := redact(f.message)), traceback=figures.traceback_in(msg),
+        detected_by=f.detected_by, message=(msg := redact(f.message)), traceback=readouts.traceback_in(msg),
         cycle=f.cycle.key if f.cycle is not None else None, layer=fig.layer, escalated_to=fig.escalated_to,
         detection_s=fig.detection_s, recovery_s=fig.recovery_s, recovering=fig.recovering,
         lost_steps=fig.lost_steps, summary=summary, primary=f.primary_id, link=f.link or None,
@@ -121,7 +121,7 @@ def cycle(c: m.RestartCycle) -> schema.Cycle:
 
 
 def checkpoint(c: m.Checkpoint) -> schema.Checkpoint:
-    fig = figures.checkpoint_figures(
+    fig = readouts.checkpoint_figures(
         started_at=c.started_at.timestamp(), finished_at=c.finished_at.timestamp() if c.finished_at else None,
         state=c.state, write_s=c.write_s, nbytes=c.bytes,
     )

@@ -4,7 +4,7 @@ Each request body, query string and response is a ``msgspec.Struct``. The views 
 (``msgspec.convert``) and serialise with them (``msgspec.json.encode``), and the OpenAPI document
 (``controlplane.api.openapi``) is generated from them, so the document cannot drift from the code.
 The figures in them come from the functions the job page uses (``Job.goodput``, the model
-properties of cycles and faults, ``controlplane.jobs.figures``); nothing here computes a figure.
+properties of cycles and faults, ``controlplane.jobs.readouts``); nothing here computes a figure.
 """
 
 from __future__ import annotations

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from functools import wraps
+from typing import TypeVar
 
 from django.http import HttpRequest, HttpResponse
 from django.utils import timezone
@@ -19,7 +20,6 @@ from django.views.decorators.csrf import csrf_exempt
 
 from controlplane.api import openapi as doc
 from controlplane.api import render, schema
-from controlplane.api.report_schema import Check, CheckCreate, CheckDrill, ReportQuery
 from controlplane.api.http import (
     Refused,
     authorise,
@@ -31,7 +31,8 @@ from controlplane.api.http import (
     query,
     respond,
 )
-from controlplane.jobs import drill_plan, evidence, figures, resilience_report, services
+from controlplane.api.report_schema import Check, CheckCreate, CheckDrill, ReportQuery
+from controlplane.jobs import drill_plan, evidence, readouts, resilience_report, services
 from controlplane.jobs.models import (
     AuditEntry,
     Checkpoint,
@@ -72,6 +73,22 @@ def api_view(*methods: str) -> Callable:
     return deco
 
 
+T = TypeVar("T")
+
+
+def _job_read(request: HttpRequest, job_id: int, type_: type[T]) -> tuple[Job, T]:
+    """The start of every read of one job's rows: the reader authorised (401/403), then the job found (404),
+    then the query string parsed (422), in that order (no 404 or 422 before credentials are checked)."""
+    authorise(request, act=False)
+    return job_or_404(job_id), query(request, type_)
+
+
+def _page(request: HttpRequest, q: schema.Page, qs, render_row: Callable, **order) -> tuple[list, str | None]:
+    """One page of ``qs`` rendered row by row, and the link to the next page (None on the last)."""
+    rows, after = keyset(qs, q, **order)
+    return [render_row(r) for r in rows], next_link(request, q, after)
+
+
 @api_view("GET", "POST")
 def jobs(request: HttpRequest) -> HttpResponse:
     """GET: jobs, newest first. POST: start a job (operators)."""
@@ -82,8 +99,8 @@ def jobs(request: HttpRequest) -> HttpResponse:
     qs = Job.objects.all()
     if q.status:
         qs = qs.filter(status=q.status)
-    rows, after = keyset(qs, q, descending=True)
-    return respond(schema.JobList(jobs=[render.job(j) for j in rows], next=next_link(request, q, after)))
+    listed, next_page = _page(request, q, qs, render.job, descending=True)
+    return respond(schema.JobList(jobs=listed, next=next_page))
 
 
 def _create_job(request: HttpRequest) -> HttpResponse:
@@ -170,21 +187,19 @@ def job_checks(request: HttpRequest, job_id: int) -> HttpResponse:
 @api_view("GET")
 def job_ranks(request: HttpRequest, job_id: int) -> HttpResponse:
     """Every rank of the job's world by rank number (ranks that never reported: health "unknown")."""
-    authorise(request, act=False)
-    job = job_or_404(job_id)
-    q = query(request, schema.RanksQuery)
+    job, q = _job_read(request, job_id, schema.RanksQuery)
     now = timezone.now()
     rows = Rank.objects.filter(job=job)
     if q.node is not None:
         rows = rows.filter(node=q.node)
-    world = figures.world(job, rows) if q.node is None else list(rows.order_by("rank"))
+    world = readouts.world(job, rows) if q.node is None else list(rows.order_by("rank"))
     if q.after is not None:
         world = [r for r in world if (r.rank if isinstance(r, Rank) else r[0]) > q.after]
     out: list[schema.Rank] = []
     after = None
     # Health depends on now, so it is filtered here; figures are computed a page's worth at a time.
     for i in range(0, len(world), q.limit):
-        chunk = [f for f in figures.rank_figures(job, world[i:i + q.limit], now)
+        chunk = [f for f in readouts.rank_figures(job, world[i:i + q.limit], now)
                  if q.health is None or f.health == q.health]
         out += [render.rank(f, now) for f in chunk]
         if len(out) >= q.limit:
@@ -198,9 +213,7 @@ def job_ranks(request: HttpRequest, job_id: int) -> HttpResponse:
 @api_view("GET")
 def job_faults(request: HttpRequest, job_id: int) -> HttpResponse:
     """Faults in the order they were recorded, with their evidence and their cycle's figures."""
-    authorise(request, act=False)
-    job = job_or_404(job_id)
-    q = query(request, schema.FaultsQuery)
+    job, q = _job_read(request, job_id, schema.FaultsQuery)
     qs = Fault.objects.filter(job=job).select_related("cycle")
     if q.fault_class:
         qs = qs.filter(fault_class=q.fault_class)
@@ -208,10 +221,9 @@ def job_faults(request: HttpRequest, job_id: int) -> HttpResponse:
         qs = qs.filter(cycle__layer=q.layer)
     if q.rank is not None:
         qs = qs.filter(rank=q.rank)
-    rows, after = keyset(qs, q)
     nodes = job.rank_nodes()
-    faults = [render.fault(f, nodes, ended=not job.is_active) for f in rows]
-    return respond(schema.FaultList(faults=faults, next=next_link(request, q, after)))
+    faults, next_page = _page(request, q, qs, lambda f: render.fault(f, nodes, ended=not job.is_active))
+    return respond(schema.FaultList(faults=faults, next=next_page))
 
 
 @api_view("GET")
@@ -234,33 +246,27 @@ def job_fault(request: HttpRequest, job_id: int, fault_id: int) -> HttpResponse:
 @api_view("GET")
 def job_cycles(request: HttpRequest, job_id: int) -> HttpResponse:
     """Restart cycles in the order they were opened, with their marks and the time between them."""
-    authorise(request, act=False)
-    job = job_or_404(job_id)
-    q = query(request, schema.CyclesQuery)
+    job, q = _job_read(request, job_id, schema.CyclesQuery)
     qs = RestartCycle.objects.filter(job=job)
     if q.layer:
         qs = qs.filter(layer=q.layer)
     if q.open is not None:
         qs = qs.filter(first_step_at__isnull=q.open)
-    rows, after = keyset(qs, q)
-    cycles = [render.cycle(c) for c in rows]
-    return respond(schema.CycleList(cycles=cycles, next=next_link(request, q, after)))
+    cycles, next_page = _page(request, q, qs, render.cycle)
+    return respond(schema.CycleList(cycles=cycles, next=next_page))
 
 
 @api_view("GET")
 def job_checkpoints(request: HttpRequest, job_id: int) -> HttpResponse:
     """The checkpoint ledger in the order saves were recorded (every attempt of a step is its own row)."""
-    authorise(request, act=False)
-    job = job_or_404(job_id)
-    q = query(request, schema.CheckpointsQuery)
+    job, q = _job_read(request, job_id, schema.CheckpointsQuery)
     qs = Checkpoint.objects.filter(job=job)
     if q.state:
         qs = qs.filter(state=q.state)
     if q.mode:
         qs = qs.filter(mode=q.mode)
-    rows, after = keyset(qs, q)
-    return respond(schema.CheckpointList(checkpoints=[render.checkpoint(c) for c in rows],
-                                         next=next_link(request, q, after)))
+    checkpoints, next_page = _page(request, q, qs, render.checkpoint)
+    return respond(schema.CheckpointList(checkpoints=checkpoints, next=next_page))
 
 
 @api_view("GET", "POST")
@@ -268,52 +274,41 @@ def job_commands(request: HttpRequest, job_id: int) -> HttpResponse:
     """GET: commands in the order they were issued. POST: issue one (operators)."""
     if request.method == "POST":
         return _issue_command(request, job_id)
-    authorise(request, act=False)
-    job = job_or_404(job_id)
-    q = query(request, schema.CommandsQuery)
+    job, q = _job_read(request, job_id, schema.CommandsQuery)
     qs = Command.objects.filter(job=job).select_related("issued_by")
     if q.kind:
         qs = qs.filter(kind=q.kind)
     if q.status:
         qs = qs.filter(status=q.status)
-    rows, after = keyset(qs, q)
-    commands = [render.command(c) for c in rows]
-    return respond(schema.CommandList(commands=commands, next=next_link(request, q, after)))
+    commands, next_page = _page(request, q, qs, render.command)
+    return respond(schema.CommandList(commands=commands, next=next_page))
 
 
 @api_view("GET")
 def job_samples(request: HttpRequest, job_id: int) -> HttpResponse:
     """The loss and throughput history in the order stored (sort by ``at`` to chart it)."""
-    authorise(request, act=False)
-    job = job_or_404(job_id)
-    q = query(request, schema.SamplesQuery)
+    job, q = _job_read(request, job_id, schema.SamplesQuery)
     qs = TrainingSample.objects.filter(job=job)
     if q.rank is not None:
         qs = qs.filter(rank=q.rank)
-    rows, after = keyset(qs, q)
-    samples = [render.sample(t) for t in rows]
-    return respond(schema.SampleList(samples=samples, next=next_link(request, q, after)))
+    samples, next_page = _page(request, q, qs, render.sample)
+    return respond(schema.SampleList(samples=samples, next=next_page))
 
 
 @api_view("GET")
 def job_audit(request: HttpRequest, job_id: int) -> HttpResponse:
     """Who did what to the job, newest first (as on the page)."""
-    authorise(request, act=False)
-    job = job_or_404(job_id)
-    q = query(request, schema.Page)
-    rows, after = keyset(AuditEntry.objects.filter(job=job), q, descending=True)
-    return respond(schema.AuditList(audit=[render.audit(a) for a in rows], next=next_link(request, q, after)))
+    job, q = _job_read(request, job_id, schema.Page)
+    audit, next_page = _page(request, q, AuditEntry.objects.filter(job=job), render.audit, descending=True)
+    return respond(schema.AuditList(audit=audit, next=next_page))
 
 
 @api_view("GET")
 def job_quarantined(request: HttpRequest, job_id: int) -> HttpResponse:
     """Heartbeat state the flush could not store (the page's "Quarantined heartbeats"), by rank row."""
-    authorise(request, act=False)
-    job = job_or_404(job_id)
-    q = query(request, schema.Page)
-    rows, after = keyset(QuarantinedHeartbeat.objects.filter(job=job), q)
-    items = [render.quarantined(x) for x in rows]
-    return respond(schema.QuarantinedList(quarantined=items, next=next_link(request, q, after)))
+    job, q = _job_read(request, job_id, schema.Page)
+    items, next_page = _page(request, q, QuarantinedHeartbeat.objects.filter(job=job), render.quarantined)
+    return respond(schema.QuarantinedList(quarantined=items, next=next_page))
 
 
 @api_view("GET")

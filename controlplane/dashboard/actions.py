@@ -62,13 +62,20 @@ def _confirm(request, *, title: str, message: str, job: Job | None, danger: bool
     )
 
 
-def _done(request, job: Job, fn, ok: str):
+def _back(request, job: Job, error: services.ActionError):
+    """Back to the job's page, saying why the action was refused."""
+    messages.error(request, str(error))
+    return redirect("dashboard:job", job_id=job.pk)
+
+
+def _done(request, job: Job, action, ok: str, **args):
+    """Do ``action`` (a ``services`` call) on ``job`` as the requesting operator, then back to the job's
+    page with ``ok`` or the reason it was refused."""
     try:
-        fn()
+        action(job=job, requested_by=request.user, remote_addr=_remote_addr(request), **args)
     except services.ActionError as e:
-        messages.error(request, str(e))
-    else:
-        messages.success(request, ok)
+        return _back(request, job, e)
+    messages.success(request, ok)
     return redirect("dashboard:job", job_id=job.pk)
 
 
@@ -97,12 +104,7 @@ def job_stop(request, job_id: int):
                      "This script does not use the SDK, so it cannot save on a stop: its processes are "
                      "terminated now."),
         )
-    return _done(
-        request,
-        job,
-        lambda: services.stop_job(job=job, requested_by=request.user, remote_addr=_remote_addr(request)),
-        f"Stop requested for job #{job.pk}.",
-    )
+    return _done(request, job, services.stop_job, f"Stop requested for job #{job.pk}.")
 
 
 @require_POST
@@ -113,8 +115,7 @@ def job_restart(request, job_id: int):
     try:
         rank = _rank(request, job, required=False)
     except services.ActionError as e:
-        messages.error(request, str(e))
-        return redirect("dashboard:job", job_id=job.pk)
+        return _back(request, job, e)
     what = {
         "in_process": "in-process (same processes, NVRx Wrapper)",
         "in_job": "in-job (ft_launcher restarts the worker group)",
@@ -128,14 +129,7 @@ def job_restart(request, job_id: int):
             title=f"Restart job #{job.pk}: {what}?",
             message="Training rolls back to the newest durable checkpoint; steps after it are recomputed.",
         )
-    return _done(
-        request,
-        job,
-        lambda: services.restart_job(
-            job=job, level=level, rank=rank, requested_by=request.user, remote_addr=_remote_addr(request)
-        ),
-        f"Restart ({what}) requested.",
-    )
+    return _done(request, job, services.restart_job, f"Restart ({what}) requested.", level=level, rank=rank)
 
 
 @require_POST
@@ -146,8 +140,7 @@ def job_inject(request, job_id: int):
     try:
         rank = _rank(request, job, required=True)
     except services.ActionError as e:
-        messages.error(request, str(e))
-        return redirect("dashboard:job", job_id=job.pk)
+        return _back(request, job, e)
     if not _confirmed(request):
         return _confirm(
             request,
@@ -157,14 +150,8 @@ def job_inject(request, job_id: int):
             message="A fault drill: the trainer raises, hangs or dies on purpose, and the resilience "
             "layers must recover it.",
         )
-    return _done(
-        request,
-        job,
-        lambda: services.inject_fault(
-            job=job, fault=fault, rank=rank, requested_by=request.user, remote_addr=_remote_addr(request)
-        ),
-        f"Fault {fault} sent to rank {rank}.",
-    )
+    return _done(request, job, services.inject_fault, f"Fault {fault} sent to rank {rank}.",
+                 fault=fault, rank=rank)
 
 
 def _job_to_repeat(request) -> Job | None:

@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import shlex
 
-from controlplane.jobs import figures
+from controlplane.jobs import readouts
 from controlplane.jobs.models import Job
-
 
 # What each integration level of the user's own code cannot tell the control plane (shown, not zeros).
 LEVEL_LIMITS = {
@@ -29,7 +28,7 @@ def code_part(job: Job) -> dict | None:
     spec = job.job_spec
     if not spec.entrypoint:
         return None
-    reported = figures.integration(job)
+    reported = readouts.integration(job)
     level = reported.level if reported else None
     limits = LEVEL_LIMITS.get(level) if level is not None else \
         "waiting for the ranks to start (they report their integration level and versions)"

@@ -12,7 +12,7 @@ unreadable and costs seconds of Python per request, so past ``MAX_RANK_LANES`` t
 
 Nothing here loads every rank: the per-request work is a few aggregates and bounded queries
 (``LIMIT``), and only the ranks shown are moved forward to the heartbeat store's newest beat
-(``health.current``). Accepted trade-offs: the heatmap's ages and the counts come from the stored rows,
+(``rank_health.current``). Accepted trade-offs: the heatmap's ages and the counts come from the stored rows,
 which trail the Redis store by at most one flush (``HEARTBEAT_FLUSH_INTERVAL_S``); a straggler is the
 watchdog's mark (``Rank.straggler_at``) with the slowdown its mark recorded, not recomputed against the
 median of every rank per request.
@@ -27,10 +27,11 @@ from django.conf import settings
 from django.core.paginator import Paginator
 from django.db.models import Case, Count, F, Min, Q, Value, When
 
-from controlplane.dashboard.charts import BASE_LAYOUT, fmt_s
+from controlplane.dashboard.plots.downsample import PRIORITY
+from controlplane.dashboard.plots.style import BASE_LAYOUT
 from controlplane.dashboard.timeline import Span
-from controlplane.dashboard.timeline_figure import PRIORITY
-from controlplane.jobs import figures, health, outages
+from controlplane.dashboard.words import fmt_s
+from controlplane.jobs import outages, rank_health, readouts
 from controlplane.jobs.goodput import Epoch
 from controlplane.jobs.models import Event, Job, Rank, RankHealth
 from controlplane.jobs.stragglers import STRAGGLER_EVENT
@@ -70,9 +71,9 @@ def stalled_q(now: datetime) -> Q:
 
 def moved_forward(job: Job, rows: list[Rank], now: datetime) -> list[Rank]:
     """``rows`` with the heartbeat store's newest beats (the watchdog's own rule)."""
-    fresh = figures.freshest(job, [r.rank for r in rows]) if job.is_active and rows else {}
+    fresh = readouts.freshest(job, [r.rank for r in rows]) if job.is_active and rows else {}
     timeouts = job.timeouts
-    return [health.current(r, fresh.get(r.rank), timeouts, now) for r in rows]
+    return [rank_health.current(r, fresh.get(r.rank), timeouts, now) for r in rows]
 
 
 def troubled(job: Job, now: datetime) -> list[Rank]:
@@ -102,7 +103,7 @@ def unhealthy_ranks(job: Job, now: datetime) -> list[dict]:
     windows = outages.grace_windows(now)
     out = []
     for r in moved_forward(job, rows, now):
-        h = health.judge(r, now, windows)
+        h = rank_health.judge(r, now, windows)
         if h in (RankHealth.LOST, RankHealth.STALLED):
             out.append({"rank": r.rank, "node": r.node, "health": h,
                         "last_heartbeat_at": r.last_heartbeat_at.timestamp() if r.last_heartbeat_at else None,
@@ -282,7 +283,7 @@ def rank_rows(job: Job, rows: list[Rank], now: datetime) -> list[dict]:
         pct = slow.get(r.rank) if r.straggler_at is not None else None
         if pct is None and r.straggler_at is not None:
             pct = 0.0
-        h = health.judge(r, now, windows, pct) if job.is_active else "stopped"
+        h = rank_health.judge(r, now, windows, pct) if job.is_active else "stopped"
         if r.last_heartbeat_at is None and job.is_active:
             h = "waiting"
         hb = r.last_heartbeat_at.timestamp() if r.last_heartbeat_at else None

@@ -23,7 +23,7 @@ from controlplane.jobs.spec import (
     KubernetesSpec,
     SpecError,
 )
-from trainer.policy import RULE_ACTIONS
+from trainer.policy_rules import RULE_ACTIONS
 from trainer.wire import DrillFault
 
 K8S_PREFIX = "k8s_"

@@ -19,14 +19,14 @@ from pathlib import Path
 from django.conf import settings
 from django.core.cache import cache
 from django.db.models import Count, DurationField, ExpressionWrapper, F, Min, Q, Sum, Value
-from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from django.http import HttpResponse
 from django.utils import timezone
 from django.views.decorators.http import require_GET
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
+from controlplane.jobs import outages, readouts
 from controlplane.jobs.goodput import PARTS
-from controlplane.jobs import figures, outages
 from controlplane.jobs.models import Checkpoint, Fault, Job, Outage, QuarantinedHeartbeat, Rank, RestartCycle
 from controlplane.supervisor import read_state
 from trainer.wire import CheckpointState
@@ -124,7 +124,15 @@ class JobCollector:
         jobs = list(Job.objects.filter(recent).order_by("id").only(
             "pk", "status", "last_step", "started_at", "created_at", "finished_at", "first_step_at", "spec"))
         ids = [j.pk for j in jobs]
+        yield from self._progress(jobs)
+        yield from self._restarts_and_faults(ids)
+        yield from self._checkpoints(jobs, ids)
+        yield from self._goodput_shares(jobs)
+        yield from self._quarantined(ids)
+        yield from self._heartbeats(ids)
+        yield from self._stragglers(jobs)
 
+    def _progress(self, jobs: list[Job]):
         step = GaugeMetricFamily("unbroken_job_step", "Last completed training step.", labels=["job"])
         active = GaugeMetricFamily("unbroken_job_active", "1 while the job runs (launching, running, "
                                    "recovering), 0 in the hour after it ended.", labels=["job"])
@@ -134,6 +142,7 @@ class JobCollector:
         yield step
         yield active
 
+    def _restarts_and_faults(self, ids: list[int]):
         restarts = CounterMetricFamily("unbroken_restarts", "Restart cycles, by the layer that handled them.",
                                        labels=["job", "layer"])
         for job_id, layer, n in (RestartCycle.objects.filter(job_id__in=ids).values_list("job_id", "layer")
@@ -147,6 +156,7 @@ class JobCollector:
             faults.add_metric([str(job_id), cls], n)
         yield faults
 
+    def _checkpoints(self, jobs: list[Job], ids: list[int]):
         checkpoints = Checkpoint.objects.filter(job_id__in=ids)
         for name, help_, hist in (
             ("unbroken_checkpoint_blocking_seconds", "Time the training loop waited on a save.",
@@ -164,6 +174,8 @@ class JobCollector:
                 fam.add_metric([str(j.pk)], counts, total)
             yield fam
 
+    def _goodput_shares(self, jobs: list[Job]):
+        now = self.now
         shares = {j.pk: _goodput(j, now) for j in jobs}
         goodput = GaugeMetricFamily("unbroken_goodput_ratio", "Productive step time / wall time "
                                     "(definition on the job page).", labels=["job"])
@@ -176,6 +188,7 @@ class JobCollector:
         yield goodput
         yield parts
 
+    def _quarantined(self, ids: list[int]):
         quarantined = CounterMetricFamily("unbroken_ingest_quarantined", "Heartbeat states the flush "
                                           "could not write and quarantined (reasons on the job page).",
                                           labels=["job"])
@@ -184,6 +197,10 @@ class JobCollector:
             quarantined.add_metric([str(job_id)], n)
         yield quarantined
 
+    def _heartbeats(self, ids: list[int]):
+        """Per-rank detail as a histogram of heartbeat ages per job, the oldest age and the lost and stalled
+        counts: never a per-rank series."""
+        now = self.now
         ranks = Rank.objects.filter(job_id__in=ids, last_heartbeat_at__isnull=False)
         age = ExpressionWrapper(Value(now) - F("last_heartbeat_at"), output_field=DurationField())
         ages = _histogram(ranks, age, AGE_BUCKETS, duration=True)
@@ -214,7 +231,9 @@ class JobCollector:
         yield lost
         yield stalled
 
-        # Stragglers, live (jobs/health.py's rule on the rows' windowed busy_s): a count and the worst
+    def _stragglers(self, jobs: list[Job]):
+        now = self.now
+        # Stragglers, live (jobs/rank_health.py's rule on the rows' windowed busy_s): a count and the worst
         # slowdown per job, never a per-rank series.
         straggling = GaugeMetricFamily("unbroken_ranks_straggling", "Ranks whose own work per step is above "
                                        "the other ranks' median by the job's straggler margin.", labels=["job"])
@@ -224,7 +243,7 @@ class JobCollector:
         for j in jobs:
             if not j.is_active:
                 continue
-            slow = figures.slowdowns(j, [], now)
+            slow = readouts.slowdowns(j, [], now)
             straggling.add_metric([str(j.pk)], len(slow))
             slowdown.add_metric([str(j.pk)], max(slow.values(), default=0.0))
         yield straggling

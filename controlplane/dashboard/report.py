@@ -15,8 +15,9 @@ from django.shortcuts import get_object_or_404, render
 from django.template.loader import render_to_string
 from django.views.decorators.http import require_GET
 
-from controlplane.dashboard import charts
 from controlplane.dashboard.assets import PLOTLY_VERSION, _plotly_bytes
+from controlplane.dashboard.plots.style import BASE_LAYOUT
+from controlplane.dashboard.words import LAYER_NAMES, fmt_s
 from controlplane.jobs import projection
 from controlplane.jobs.models import Job
 from controlplane.jobs.resilience_report import OPERATOR, Report, build_report
@@ -37,7 +38,7 @@ def _phase_figure(r: Report) -> dict:
         {"type": "bar", "name": stat, "x": [p.name.replace("_", " ") for p in phases],
          "y": [getattr(p, f"{stat}_s") for p in phases], "marker": {"color": colour}}
         for stat, colour in (("p50", "#1f77b4"), ("p95", "#aec7e8"))
-    ], "layout": {**charts.BASE_LAYOUT, "barmode": "group", "height": 280,
+    ], "layout": {**BASE_LAYOUT, "barmode": "group", "height": 280,
                   "margin": {"l": 60, "r": 20, "t": 20, "b": 40},
                   "yaxis": {"title": {"text": "seconds"}, "rangemode": "tozero"}}}
 
@@ -53,7 +54,7 @@ def _save_figure(r: Report) -> dict:
                        "y": [s.blocking_s or 0 for s in rows]})
         traces.append({"type": "bar", "name": f"{mode}: slower steps", "x": x,
                        "y": [s.interference_s or 0 for s in rows]})
-    return {"data": traces, "layout": {**charts.BASE_LAYOUT, "barmode": "stack", "height": 260,
+    return {"data": traces, "layout": {**BASE_LAYOUT, "barmode": "stack", "height": 260,
                                        "margin": {"l": 60, "r": 20, "t": 20, "b": 40},
                                        "xaxis": {"title": {"text": "step saved"}},
                                        "yaxis": {"title": {"text": "seconds the loop lost"}}}}
@@ -77,7 +78,7 @@ def _scale_figure(r: Report) -> dict | None:
                            "x": [x.best_interval_steps * s.step_time_s / 60], "y": [100 * x.goodput_best],
                            "marker": {"size": 10, "symbol": "diamond"}})
     return {"data": traces, "layout": {
-        **charts.BASE_LAYOUT, "height": 320, "margin": {"l": 60, "r": 20, "t": 20, "b": 50},
+        **BASE_LAYOUT, "height": 320, "margin": {"l": 60, "r": 20, "t": 20, "b": 50},
         "xaxis": {"title": {"text": "minutes of training between checkpoints"}},
         "yaxis": {"title": {"text": "expected goodput (%)"}},
         "shapes": [{"type": "line", "x0": s.interval_s / 60, "x1": s.interval_s / 60, "y0": 0, "y1": 1,
@@ -91,29 +92,29 @@ def context(r: Report, *, base_url: str = "") -> dict:
 
     classes = [{"row": c,
                 "name": "operator restart (no fault)" if c.fault_class == OPERATOR else c.fault_class,
-                "layers": ", ".join(f"{charts.LAYER_NAMES.get(k, k)} × {n}" for k, n in c.layers.items())
+                "layers": ", ".join(f"{LAYER_NAMES.get(k, k)} × {n}" for k, n in c.layers.items())
                 or "–",
-                "detection": (charts.fmt_s(c.detection.p50_s), charts.fmt_s(c.detection.p95_s)),
-                "recovery": (charts.fmt_s(c.recovery.p50_s), charts.fmt_s(c.recovery.p95_s)),
+                "detection": (fmt_s(c.detection.p50_s), fmt_s(c.detection.p95_s)),
+                "recovery": (fmt_s(c.recovery.p50_s), fmt_s(c.recovery.p95_s)),
                 "faults_link": link(c.links["faults"]), "cycles_link": link(c.links["cycles"]),
                 "fault_links": [(i, link(f"{r.links['faults']}/{i}")) for i in c.fault_ids[:20]]}
                for c in r.classes]
     figs = {"phases": _phase_figure(r), "saves": _save_figure(r), "scale": _scale_figure(r)}
     return {
         "r": r, "classes": classes, "links": {k: link(v) for k, v in r.links.items()},
-        "fmt_phases": [(p, charts.fmt_s(p.p50_s), charts.fmt_s(p.p95_s)) for p in r.recovery.phases],
-        "layers": [(charts.LAYER_NAMES.get(x.layer, x.layer), x, charts.fmt_s(x.recovery.p50_s),
-                    charts.fmt_s(x.recovery.p95_s)) for x in r.recovery.by_layer],
-        "detection": (charts.fmt_s(r.recovery.detection.p50_s), charts.fmt_s(r.recovery.detection.p95_s)),
-        "recovery": (charts.fmt_s(r.recovery.recovery.p50_s), charts.fmt_s(r.recovery.recovery.p95_s)),
+        "fmt_phases": [(p, fmt_s(p.p50_s), fmt_s(p.p95_s)) for p in r.recovery.phases],
+        "layers": [(LAYER_NAMES.get(x.layer, x.layer), x, fmt_s(x.recovery.p50_s),
+                    fmt_s(x.recovery.p95_s)) for x in r.recovery.by_layer],
+        "detection": (fmt_s(r.recovery.detection.p50_s), fmt_s(r.recovery.detection.p95_s)),
+        "recovery": (fmt_s(r.recovery.recovery.p50_s), fmt_s(r.recovery.recovery.p95_s)),
         "reload_share": _pct(r.recovery.reload_share),
         "goodput_pct": _pct(r.goodput.get("goodput")),
-        "saves": {"async": (charts.fmt_s(r.saves.async_cost.p50_s), charts.fmt_s(r.saves.async_cost.p95_s)),
-                  "sync": (charts.fmt_s(r.saves.sync_cost.p50_s), charts.fmt_s(r.saves.sync_cost.p95_s))},
+        "saves": {"async": (fmt_s(r.saves.async_cost.p50_s), fmt_s(r.saves.async_cost.p95_s)),
+                  "sync": (fmt_s(r.saves.sync_cost.p50_s), fmt_s(r.saves.sync_cost.p95_s))},
         "scale": r.at_scale,
-        "scenarios": [(x, _pct(x.goodput_now), _pct(x.goodput_best), charts.fmt_s(x.best_interval_s))
+        "scenarios": [(x, _pct(x.goodput_now), _pct(x.goodput_best), fmt_s(x.best_interval_s))
                       for x in (r.at_scale.scenarios if r.at_scale else [])],
-        "mtbf": charts.fmt_s(r.at_scale.mtbf_s) if r.at_scale else "–",
+        "mtbf": fmt_s(r.at_scale.mtbf_s) if r.at_scale else "–",
         "figures": {k: v for k, v in figs.items() if v is not None},
     }
 

@@ -12,7 +12,7 @@ state. Most phases are job-wide (every rank saves, every rank restarts), so a sp
   hung since its step last moved).
 
 A 64-rank job with 2,000 saves therefore costs ~2,000 job-wide spans, not 128,000, and the
-chart downsamples further (``timeline_figure.downsample_spans``). Times are unix seconds (floats).
+chart downsamples further (``plots.downsample.downsample_spans``). Times are unix seconds (floats).
 """
 
 from __future__ import annotations

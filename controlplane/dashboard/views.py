@@ -18,9 +18,21 @@ from django.utils import timezone
 from django.views.decorators.cache import never_cache
 from django.views.decorators.http import require_GET
 
-from controlplane.dashboard import charts, fleet, sections
-from controlplane.dashboard.code import code_part
+from controlplane.dashboard import fleet
 from controlplane.dashboard.assets import PLOTLY_VERSION
+from controlplane.dashboard.code import code_part
+from controlplane.dashboard.parts import (
+    checkpoint_part,
+    fault_table,
+    goodput_part,
+    job_list,
+    progress_part,
+    rank_table,
+    records,
+    signatures,
+    timeline_part,
+)
+from controlplane.dashboard.words import fmt_s, recovery_words
 from controlplane.jobs.models import Job
 from controlplane.jobs.roles import is_operator
 from controlplane.jobs.versions import runtime_versions
@@ -38,8 +50,8 @@ def _jobs_context(request, now):
     jobs = list(page.object_list)
     return {
         "page": page,
-        "rows": sections.job_rows(jobs, now),
-        "cursor": sections.jobs_signature(jobs),
+        "rows": job_list.job_rows(jobs, now),
+        "cursor": signatures.jobs_signature(jobs),
         "now": now,
     }
 
@@ -67,7 +79,7 @@ def jobs_table(request):
 @never_cache
 def jobs_live(request):
     jobs_ = list(_jobs_page(request).object_list)
-    cursor = sections.jobs_signature(jobs_)
+    cursor = signatures.jobs_signature(jobs_)
     return JsonResponse({"cursor": cursor, "changed": ["table"] if cursor != request.GET.get("c") else []})
 
 
@@ -81,7 +93,7 @@ def part_context(name: str, job: Job, request, now) -> dict:
         follow = request.GET.get("follow", "1" if job.is_active else "0") == "1"
         start, end = _float(request.GET.get("start")), _float(request.GET.get("end"))
         return {
-            "timeline": sections.timeline_part(
+            "timeline": timeline_part.timeline_part(
                 job,
                 now,
                 start=start / 1000 if start else None,
@@ -91,22 +103,22 @@ def part_context(name: str, job: Job, request, now) -> dict:
             )
         }
     if name == "checkpoints":
-        return {"ckpt": sections.checkpoint_part(job)}
+        return {"ckpt": checkpoint_part.checkpoint_part(job)}
     if name == "faults":
-        return {"faults": sections.faults_part(job, request.GET)}
+        return {"faults": fault_table.faults_part(job, request.GET)}
     if name == "goodput":
-        return {"goodput": sections.goodput_part(job, now)}
+        return {"goodput": goodput_part.goodput_part(job, now)}
     if name == "ranks":
-        return {"ranks": sections.ranks_part(job, now, request.GET)}
+        return {"ranks": rank_table.ranks_part(job, now, request.GET)}
     if name == "progress":
-        return {"progress": sections.progress_part(job, now)}
+        return {"progress": progress_part.progress_part(job, now)}
     if name == "commands":
-        return sections.commands_part(job)
+        return records.commands_part(job)
     if name == "audit":
-        return sections.audit_part(job)
+        return records.audit_part(job)
     if name == "log":
-        return {"log": sections.log_part(job)}
-    raise Http404(f"no part {name!r}; parts: {', '.join(sections.JOB_SECTIONS)}")
+        return {"log": records.log_part(job)}
+    raise Http404(f"no part {name!r}; parts: {', '.join(signatures.JOB_SECTIONS)}")
 
 
 def _float(v):
@@ -136,16 +148,16 @@ def job_detail(request, job_id: int):
     job = get_object_or_404(Job, pk=job_id)
     now = timezone.now()
     ctx = _base_context(job, request, now)
-    for name in sections.JOB_SECTIONS:
+    for name in signatures.JOB_SECTIONS:
         ctx.update(part_context(name, job, request, now))
-    sigs = sections.job_signatures(job, now)
-    ctx["cursor"] = ".".join(sigs[n] for n in sections.JOB_SECTIONS)
+    sigs = signatures.job_signatures(job, now)
+    ctx["cursor"] = ".".join(sigs[n] for n in signatures.JOB_SECTIONS)
     ctx["live_config"] = {
         "live": _url("dashboard:job_live", job.pk),
         "part": _url("dashboard:job_part", job.pk, "x"),
         "cursor": ctx["cursor"],
         "interval_ms": 500,
-        "sections": list(sections.JOB_SECTIONS),
+        "sections": list(signatures.JOB_SECTIONS),
     }
     return render(request, "dashboard/job.html", ctx)
 
@@ -160,7 +172,7 @@ def _url(name, *args):
 @require_GET
 @never_cache
 def job_part(request, job_id: int, name: str):
-    if name not in sections.JOB_SECTIONS:
+    if name not in signatures.JOB_SECTIONS:
         raise Http404(f"no part {name!r}")
     job = get_object_or_404(Job, pk=job_id)
     now = timezone.now()
@@ -175,12 +187,12 @@ def job_live(request, job_id: int):
     """Which parts changed since the cursor ``c`` (dot-joined signatures in JOB_SECTIONS order)."""
     job = get_object_or_404(Job, pk=job_id)
     now = timezone.now()
-    sigs = sections.job_signatures(job, now)
+    sigs = signatures.job_signatures(job, now)
     old = (request.GET.get("c") or "").split(".")
-    changed = [n for i, n in enumerate(sections.JOB_SECTIONS) if i >= len(old) or old[i] != sigs[n]]
+    changed = [n for i, n in enumerate(signatures.JOB_SECTIONS) if i >= len(old) or old[i] != sigs[n]]
     return JsonResponse(
         {
-            "cursor": ".".join(sigs[n] for n in sections.JOB_SECTIONS),
+            "cursor": ".".join(sigs[n] for n in signatures.JOB_SECTIONS),
             "changed": changed,
             "server_ms": int(now.timestamp() * 1000),
         }
@@ -191,7 +203,7 @@ def job_live(request, job_id: int):
 @require_GET
 def fault_detail(request, job_id: int, fault_id: int):
     """One fault: its summary sentence and everything that proves it (``jobs/evidence.py``)."""
-    from controlplane.jobs import evidence, figures
+    from controlplane.jobs import evidence, readouts
     from controlplane.jobs.models import Fault
     from controlplane.launchers.logs import fault_log
 
@@ -201,9 +213,9 @@ def fault_detail(request, job_id: int, fault_id: int):
     nodes, ended = job.rank_nodes(), not job.is_active
     ev = evidence.fault_evidence(fault, log_text=tail.text, log_why=tail.why, rank_nodes=nodes, ended=ended)
     # Detection, recovery and steps lost: the figures the fault table and the timeline's hovers show.
-    fig = figures.fault_figures(fault, rank_nodes=nodes, ended=ended)
+    fig = readouts.fault_figures(fault, rank_nodes=nodes, ended=ended)
     return render(request, "dashboard/fault.html", {
         "job": job, "f": fault, "ev": ev, "fig": fig,
         "detected_at": fault.at + timedelta(seconds=fig.detection_s),
-        "detection": charts.fmt_s(fig.detection_s),
-        "recovery": sections.recovery_words(fig)})
+        "detection": fmt_s(fig.detection_s),
+        "recovery": recovery_words(fig)})

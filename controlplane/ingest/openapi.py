@@ -60,13 +60,41 @@ def openapi_schema(*, now: float | None = None) -> dict:
 
 @cache
 def _static() -> dict:
+    at = _time_schema()
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "Unbroken ingest API", "version": "1",
+                 "description": "Machine-facing: trainers and launchers post heartbeats and events, and get "
+                                "pending commands back. Wire format: trainer/wire.py."},
+        "paths": {
+            "/api/v1/jobs/{job_id}/ingest": {"post": _ingest_operation()},
+            "/api/v1/openapi.json": {"get": {"operationId": "openapi", "summary": "This document",
+                                             "responses": {"200": {"description": "OpenAPI 3.1"}}}},
+        },
+        "components": {
+            "securitySchemes": {"jobToken": {
+                "type": "http", "scheme": "bearer",
+                "description": "The job's ingest token (shown once at launch)."}},
+            "schemas": {"Error": _error_schema(), "Heartbeat": _object(wire.Heartbeat, at),
+                        "Event": _event_schema(at), "Batch": _batch_schema(), "Command": _command_schema(),
+                        "Accepted": _accepted_schema()},
+        },
+    }
+
+
+def _time_schema() -> dict:
+    """Every ``at``: its bounds in words (``openapi_schema`` adds them as numbers when it serves)."""
     max_age = settings.INGEST_MAX_AGE_S
-    at = {"type": "number", "description": (
+    return {"type": "number", "description": (
         f"Unix seconds on the sender's clock. At most {wire.MAX_FUTURE_S:g} s after the batch's sent_at "
         f"(not expressible in JSON Schema: refused with 422), and at most {max_age:.0f} s "
         "(UNBROKEN_INGEST_MAX_AGE_S) before the server clock. minimum/maximum are as of this document's "
         "info.x-server-time, tightened by a minute.")}
-    error = {
+
+
+def _error_schema() -> dict:
+    """Every refusal's body: what is wrong, which field, and on 5xx what of the batch was kept."""
+    return {
         "type": "object",
         "required": ["error", "field"],
         "properties": {
@@ -81,28 +109,41 @@ def _static() -> dict:
         },
         "additionalProperties": False,
     }
-    heartbeat = _object(wire.Heartbeat, at)
-    event = _object(wire.Event, at, data={
+
+
+def _event_schema(at: dict) -> dict:
+    """``wire.Event``, its ``data`` described per event kind (``wire.EVENT_DATA``)."""
+    return _object(wire.Event, at, data={
         "type": "object", "maxProperties": wire.MAX_DATA_KEYS,
         "propertyNames": {"type": "string", "maxLength": wire.MAX_STRING_LEN, "pattern": wire.NO_NUL_PATTERN},
         "description": wire.EventKind.__doc__.strip() + "\n\nAny JSON, nested at most "
         f"{wire.MAX_DATA_DEPTH} levels (this object is level 1), at most {wire.MAX_DATA_BYTES} bytes "
         f"encoded, strings of at most {wire.MAX_STRING_LEN} characters without NUL (\\u0000), "
         "integers within 64 bits. Checked per kind (422 naming the key otherwise):\n" + _data_description()})
-    batch = {
+
+
+def _batch_schema() -> dict:
+    return {
         "type": "object",
         "required": ["sent_at"],
         "properties": {
             "v": {"type": "integer", "const": wire.WIRE_VERSION},
             "sent_at": {"type": "number", "description": (
                 f"Unix seconds; refused (422) when it differs from the server clock by more than "
-                f"{wire.MAX_CLOCK_SKEW_S:.0f} s. minimum/maximum are as of this document's info.x-server-time, tightened by a minute.")},
+                f"{wire.MAX_CLOCK_SKEW_S:.0f} s. minimum/maximum are as of this document's "
+                "info.x-server-time, tightened by a minute.")},
             "source": wire.Rule("string", max_len=wire.MAX_SOURCE_LEN).schema(),
-            "heartbeats": {"type": "array", "maxItems": wire.MAX_HEARTBEATS, "items": {"$ref": "#/components/schemas/Heartbeat"}},
-            "events": {"type": "array", "maxItems": wire.MAX_EVENTS, "items": {"$ref": "#/components/schemas/Event"}},
+            "heartbeats": {"type": "array", "maxItems": wire.MAX_HEARTBEATS,
+                           "items": {"$ref": "#/components/schemas/Heartbeat"}},
+            "events": {"type": "array", "maxItems": wire.MAX_EVENTS,
+                       "items": {"$ref": "#/components/schemas/Event"}},
         },
     }
-    command = {
+
+
+def _command_schema() -> dict:
+    """A trainer-bound command as the ingest answer carries it (``Command.to_wire``)."""
+    return {
         "type": "object",
         "required": ["id", "kind", "level", "fault", "rank", "issued_at"],
         "properties": {
@@ -114,66 +155,57 @@ def _static() -> dict:
             "issued_at": {"type": "number"},
         },
     }
-    accepted = {
+
+
+def _accepted_schema() -> dict:
+    return {
         "type": "object",
         "required": ["accepted", "commands", "server_time", "job_status"],
         "properties": {
             "accepted": {"type": "object", "required": ["heartbeats", "events", "duplicates"], "properties": {
-                "heartbeats": {"type": "integer"}, "events": {"type": "integer", "description": "newly stored"},
+                "heartbeats": {"type": "integer"},
+                "events": {"type": "integer", "description": "newly stored"},
                 "duplicates": {"type": "integer", "description": "events already stored (a retry)"}}},
             "commands": {"type": "array", "items": {"$ref": "#/components/schemas/Command"},
-                         "description": "Pending trainer commands, re-sent until acknowledged by a command_ack "
-                                        "event; dedupe by id."},
+                         "description": "Pending trainer commands, re-sent until acknowledged by a "
+                                        "command_ack event; dedupe by id."},
             "server_time": {"type": "number"},
-            "job_status": {"type": "string", "description": "The job's status; a finished job gets no commands."},
+            "job_status": {"type": "string",
+                           "description": "The job's status; a finished job gets no commands."},
         },
     }
 
-    def err(description: str) -> dict:
-        return {"description": description,
-                "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
 
+def _ingest_operation() -> dict:
+    """``POST /api/v1/jobs/{job_id}/ingest``: a batch in, pending commands out; every answer it gives."""
     return {
-        "openapi": "3.1.0",
-        "info": {"title": "Unbroken ingest API", "version": "1",
-                 "description": "Machine-facing: trainers and launchers post heartbeats and events, and get "
-                                "pending commands back. Wire format: trainer/wire.py."},
-        "paths": {
-            "/api/v1/jobs/{job_id}/ingest": {
-                "post": {
-                    "operationId": "ingest",
-                    "summary": "Post a batch of heartbeats and events for one job",
-                    "description": "Validated whole, then written: events in one transaction, heartbeats "
-                                   "after it (a 503 says what was kept); a refused batch writes nothing. Idempotent per event id. A finished job's batches are still "
-                                   "accepted (late facts are kept) but get no commands.",
-                    "security": [{"jobToken": []}],
-                    "parameters": [{"name": "job_id", "in": "path", "required": True,
-                                    "schema": {"type": "integer"}}],
-                    "requestBody": {"required": True, "content": {"application/json": {
-                        "schema": {"$ref": "#/components/schemas/Batch"}}}},
-                    "responses": {
-                        "200": {"description": "Stored.", "content": {"application/json": {
-                            "schema": {"$ref": "#/components/schemas/Accepted"}}}},
-                        "400": err("The body is not JSON."),
-                        "401": err("Missing token, a token of another job, or no such job (not distinguished)."),
-                        "405": err("Not a POST."),
-                        "413": err(f"The body is over {settings.INGEST_MAX_BODY_BYTES} bytes."),
-                        "422": err("Valid JSON that breaks the wire format: wrong types, a value out of "
-                                   "bounds, an unknown rank (>= world size), clock skew, a timestamp outside "
-                                   "its window, bad event data. `field` names it. Nothing is stored."),
-                        "500": err("An unexpected error before anything was stored; retry later."),
-                        "503": err("The database or the heartbeat store is unavailable; `stored` says what "
-                                   "was kept. Retry the whole batch (Retry-After; retries are safe)."),
-                    },
-                }
-            },
-            "/api/v1/openapi.json": {"get": {"operationId": "openapi", "summary": "This document",
-                                             "responses": {"200": {"description": "OpenAPI 3.1"}}}},
-        },
-        "components": {
-            "securitySchemes": {"jobToken": {"type": "http", "scheme": "bearer",
-                                             "description": "The job's ingest token (shown once at launch)."}},
-            "schemas": {"Error": error, "Heartbeat": heartbeat, "Event": event, "Batch": batch,
-                        "Command": command, "Accepted": accepted},
+        "operationId": "ingest",
+        "summary": "Post a batch of heartbeats and events for one job",
+        "description": "Validated whole, then written: events in one transaction, heartbeats after it (a 503 "
+                       "says what was kept); a refused batch writes nothing. Idempotent per event id. A "
+                       "finished job's batches are still accepted (late facts are kept) but get no commands.",
+        "security": [{"jobToken": []}],
+        "parameters": [{"name": "job_id", "in": "path", "required": True, "schema": {"type": "integer"}}],
+        "requestBody": {"required": True, "content": {"application/json": {
+            "schema": {"$ref": "#/components/schemas/Batch"}}}},
+        "responses": {
+            "200": {"description": "Stored.", "content": {"application/json": {
+                "schema": {"$ref": "#/components/schemas/Accepted"}}}},
+            "400": _error("The body is not JSON."),
+            "401": _error("Missing token, a token of another job, or no such job (not distinguished)."),
+            "405": _error("Not a POST."),
+            "413": _error(f"The body is over {settings.INGEST_MAX_BODY_BYTES} bytes."),
+            "422": _error("Valid JSON that breaks the wire format: wrong types, a value out of bounds, an "
+                          "unknown rank (>= world size), clock skew, a timestamp outside its window, bad "
+                          "event data. `field` names it. Nothing is stored."),
+            "500": _error("An unexpected error before anything was stored; retry later."),
+            "503": _error("The database or the heartbeat store is unavailable; `stored` says what was kept. "
+                          "Retry the whole batch (Retry-After; retries are safe)."),
         },
     }
+
+
+def _error(description: str) -> dict:
+    """An error answer: its description, and the ``Error`` schema as its body."""
+    return {"description": description,
+            "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}

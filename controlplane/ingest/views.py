@@ -163,7 +163,7 @@ def handle(job_id: int, authorization: str, content_length: str | None, body: by
                             headers=_RETRY, stored={"events": False, "heartbeats": False})
     try:
         commands = _pending_commands(job)
-    except Exception:  # noqa: BLE001 - the batch is stored; commands come with the next one
+    except Exception:  # the batch is stored; commands come with the next one
         log.warning("ingest: could not read job %s's pending commands", job_id, exc_info=True)
         commands = []
     return 200, {"accepted": result.to_wire(), "commands": commands, "server_time": time.time(),

@@ -31,7 +31,7 @@ from django.utils import timezone
 
 from controlplane.jobs import evidence
 from controlplane.jobs.models import Event, Fault, Job
-from trainer.evidence import COLLECTIVE_FRAME
+from trainer.stacks import COLLECTIVE_FRAME
 from trainer.wire import FaultClass
 
 EPISODE_S = 15.0  # faults of no cycle this close to a member belong to its failure
@@ -186,9 +186,29 @@ def attribute(job: Job, around: Iterable[datetime] = (), *, now: datetime | None
     the later commit sees both."""
     times = tuple(around)
     changed = _attribute(job, times, now=now)
-    if transaction.get_connection().in_atomic_block:
-        transaction.on_commit(lambda: _attribute(job, times), robust=True)
+    connection = transaction.get_connection()
+    if connection.in_atomic_block:
+        _pass_after_commit(connection, job, times)
     return changed
+
+
+def _pass_after_commit(connection, job: Job, times: tuple[datetime, ...]) -> None:
+    """One pass per job once the transaction commits, over every time it was asked about (all of the
+    job's faults when any call asked for all): a transaction that attributes a job several times (a batch
+    that closes a cycle, the watchdog claiming rank after rank) would otherwise repeat the pass once per
+    call after it commits. The pending pass is looked up among the connection's commit hooks (Django's
+    ``run_on_commit``), so a transaction or savepoint rolled back, whose hooks Django drops, leaves none."""
+    for _sids, hook, *_robust in connection.run_on_commit:
+        if getattr(hook, "attribution_job", None) == job.pk:
+            hook.around = None if hook.around is None or not times else hook.around + times
+            return
+
+    def after_commit() -> None:
+        _attribute(job, after_commit.around or ())
+
+    after_commit.attribution_job = job.pk
+    after_commit.around = times or None
+    transaction.on_commit(after_commit, robust=True)
 
 
 def _attribute(job: Job, around: Iterable[datetime] = (), *, now: datetime | None = None) -> int:

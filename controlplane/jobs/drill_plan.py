@@ -23,10 +23,9 @@ import statistics
 from dataclasses import dataclass
 
 import msgspec
-
 from django.db import transaction
 
-from controlplane.jobs import figures, services
+from controlplane.jobs import readouts, services
 from controlplane.jobs.models import AuditEntry, Job, RestartCycle
 from controlplane.jobs.resilience_report import step_time
 from controlplane.jobs.spec import Drill, JobSpec, SpecError
@@ -167,7 +166,7 @@ def hang_after_s(job: Job, spec: JobSpec) -> float:
     its printed step shows progress (``trainer.usercode``)."""
     if not spec.entrypoint or spec.in_process:
         return spec.step_timeout_s
-    seen = figures.integration(job)
+    seen = readouts.integration(job)
     return spec.step_timeout_s if seen is not None and (seen.level or 0) >= 1 else spec.stall_timeout_s
 
 

@@ -6,7 +6,7 @@ code ft_launcher saw (the fault event's ``interruption``); the phase it happened
 the fault's time: "during checkpoint save"), the step; and the rank's log lines around the fault's time
 when the launcher keeps the job's log (``log_lines``: the caller passes the log text, the launchers own
 it). Everything shown is redacted (``wire.redact``) and capped. The sentence's numbers (recovery time,
-steps recomputed, the layer) are ``figures.fault_figures``'s, the one source the fault table, the
+steps recomputed, the layer) are ``readouts.fault_figures``'s, the one source the fault table, the
 timeline and the API read.
 """
 
@@ -16,7 +16,7 @@ import re
 from dataclasses import dataclass, field
 from datetime import datetime
 
-from controlplane.jobs import figures
+from controlplane.jobs import readouts
 from controlplane.jobs.models import Checkpoint, Event, Fault
 from trainer.wire import FaultClass, redact
 
@@ -124,7 +124,7 @@ def log_lines(text: str | None, *, rank: int | None, at: datetime, until: dateti
 def fault_evidence(f: Fault, *, log_text: str | None = None, log_why: str | None = None,
                    rank_nodes: dict[int, str] | None = None, ended: bool = False) -> Evidence:
     """Everything that proves ``f``, with its summary sentence (``ended``: the job is over)."""
-    fig = figures.fault_figures(f, rank_nodes=rank_nodes, ended=ended)
+    fig = readouts.fault_figures(f, rank_nodes=rank_nodes, ended=ended)
     message = redact(f.message or "")
     exc_type, exc_msg, frames = parse_traceback(message)
     data = fault_data(f)
@@ -166,7 +166,7 @@ def kill_facts(f: Fault, data: dict, *, message: str | None = None,
     return (sig.group(1) if sig else None), (int(code.group(1)) if code else None)
 
 
-def summary(f: Fault, fig: figures.FaultFigures, ev: Evidence) -> str:
+def summary(f: Fault, fig: readouts.FaultFigures, ev: Evidence) -> str:
     """One sentence: who, what, where in the loop, which layer recovered it how fast, what it cost."""
     who = f"rank {f.rank}" if f.rank is not None else "the job"
     if fig.node:

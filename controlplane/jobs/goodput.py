@@ -35,9 +35,10 @@ seconds under ``<part>_s``, ``wall_s`` and ``goodput`` (= the productive share).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import datetime
 
-from django.db.models import FloatField, Func, Max
+from django.db.models import FloatField, Func, Max, OuterRef, Subquery
+from django.db.models.functions import Coalesce
 
 from controlplane.jobs.lost import cycle_steps_lost
 from trainer.wire import CheckpointMode, CheckpointState
@@ -87,13 +88,17 @@ def _merge(intervals) -> list[Interval]:
 
 
 def _minus(intervals: list[Interval], taken: list[Interval]) -> list[Interval]:
-    """``intervals`` (merged) without what ``taken`` (merged) covers."""
+    """``intervals`` (merged) without what ``taken`` (merged) covers. Both are sorted and disjoint, so one
+    sweep does it (thousands of saves against thousands of taken intervals on a long job's page)."""
     out: list[Interval] = []
+    j = 0
     for a, b in intervals:
+        while j < len(taken) and taken[j][1] <= a:
+            j += 1  # taken intervals wholly before this one (and so before every later one)
         cur = a
-        for x, y in taken:
-            if y <= cur or x >= b:
-                continue
+        for x, y in taken[j:]:
+            if x >= b:
+                break
             if x > cur:
                 out.append((cur, x))
             cur = max(cur, y)
@@ -151,10 +156,17 @@ def goodput_facts(job, now: datetime) -> GoodputFacts:
     end = (job.finished_at or now).timestamp()
     progress = job.last_progress_at.timestamp() if job.last_progress_at else None
     cycles = []
+    # Per cycle, in the same query: the first training sample after its first step at or past the fault's
+    # step (when the lost work was done again); one index seek per cycle, not one query per cycle.
+    samples = job.samples.model.objects  # TrainingSample, without an import circle (models import this)
+    again = (samples.filter(job=OuterRef("job"), at__gt=OuterRef("first_step_at"),
+                            step__gte=Coalesce(OuterRef("step_at_fault"), OuterRef("step_at_fault_estimate")))
+             .order_by("at").values_list(Epoch("at"))[:1])
     rows = job.cycles.values_list(Epoch("fault_at"), Epoch("delivered_at"), Epoch("detected_at"),
                                   Epoch("aborted_at"), Epoch("restarted_at"), Epoch("first_step_at"),
+                                  Subquery(again, output_field=FloatField()),
                                   "step_at_fault", "resumed_from_step", "step_at_fault_estimate")
-    for fault_at, delivered_at, detected_at, aborted_at, restarted_at, first_at, *steps in rows:
+    for fault_at, delivered_at, detected_at, aborted_at, restarted_at, first_at, sample, *steps in rows:
         began = cycle_began(fault_at, delivered_at, detected_at, aborted_at, restarted_at)
         if began is None:
             continue
@@ -170,8 +182,6 @@ def goodput_facts(job, now: datetime) -> GoodputFacts:
         reached = None
         if first_at is not None and lost:
             bounds = [progress] if progress is not None and progress > first_at else []
-            sample = (job.samples.filter(at__gt=_utc(first_at), step__gte=at_fault).order_by("at")
-                      .values_list(Epoch("at"), flat=True).first())
             if sample is not None:
                 bounds.append(sample)
             reached = min(bounds) if bounds else None
@@ -209,10 +219,6 @@ def cycle_began(fault_at: float | None, delivered_at: float | None, *marks: floa
     if delivered_at is not None:
         return min((t for t in marks if t is not None and t >= delivered_at), default=delivered_at)
     return next((t for t in (fault_at, *marks) if t is not None), None)
-
-
-def _utc(t: float) -> datetime:
-    return datetime.fromtimestamp(t, tz=UTC)
 
 
 class Epoch(Func):

@@ -37,7 +37,7 @@ def request(action: str, *, job_id: int, command_id: int | None = None, countdow
         if not receivers:
             log.error("job %s: no launcher listens for %r requests (is controlplane.launchers installed?)",
                       job_id, action)
-        for receiver, result in receivers:
+        for _receiver, result in receivers:
             if isinstance(result, Exception):
                 log.error("job %s: the launcher could not take the %r request now: %s", job_id, action,
                           result, exc_info=result)

@@ -1,7 +1,7 @@
 """Failure policies on the control plane: decide each fault it records, carry out what a written rule says,
 and tell the job page what the next fault of each class would cause.
 
-The rules and the decision are ``trainer.policy``'s (pure; ft_launcher's hooks read the same rules). This
+The rules and the decision are ``trainer.policy_rules``'s (pure; ft_launcher's hooks read the same rules). This
 module supplies the history a decision needs (how many faults each rule has matched in its window, what
 each restart layer has left) and acts:
 
@@ -50,7 +50,7 @@ from controlplane.jobs.models import (
 )
 from controlplane.jobs.services import request_stop, set_status
 from controlplane.jobs.spec import JobSpec
-from trainer.policy import (
+from trainer.policy_rules import (
     ACTION_WORDS,
     POD_CLASSES,
     START_CLASSES,

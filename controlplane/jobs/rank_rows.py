@@ -3,7 +3,7 @@
 A heartbeat's newest state per rank (``RankState``), the phase-aware deadline (``Timeouts.deadline``) and
 ``upsert_ranks``, which only ever moves a rank forward in time (a heartbeat older than the stored one
 changes nothing); ``update_job_progress`` moves the job's step and progress clock. ``jobs.heartbeats`` has
-the stores that call these; ``jobs.health`` judges a rank by the same rules.
+the stores that call these; ``jobs.rank_health`` judges a rank by the same rules.
 """
 
 from __future__ import annotations
@@ -128,7 +128,8 @@ def upsert_ranks(job_id: int, states: Iterable[RankState], timeouts: Timeouts, *
 
 
 def _upsert_pg(job_id: int, rows: list[RankState], timeouts: Timeouts, now: datetime) -> None:
-    sql = (f"INSERT INTO jobs_rank ({', '.join(_RANK_COLUMNS)}) "
+    # S608: the SQL is built from constants (_RANK_COLUMNS, _UPSERT_TAIL); the values are parameters.
+    sql = (f"INSERT INTO jobs_rank ({', '.join(_RANK_COLUMNS)}) "  # noqa: S608
            "SELECT %b, r, n, p, ph, to_timestamp(a), s, to_timestamp(sc), l, st, tp, to_timestamp(d), to_timestamp(sa), "
            "bz FROM unnest(%b::int[], %b::text[], %b::int[], %b::text[], %b::float8[], %b::int[], %b::float8[], "
            "%b::float8[], %b::float8[], %b::float8[], %b::float8[], %b::float8[], %b::float8[]) "
@@ -163,7 +164,7 @@ def _upsert_pg(job_id: int, rows: list[RankState], timeouts: Timeouts, now: date
 
 def _upsert_values(job_id: int, rows: list[RankState], timeouts: Timeouts, now: datetime) -> None:
     adapt = connection.ops.adapt_datetimefield_value
-    head = f"INSERT INTO jobs_rank ({', '.join(_RANK_COLUMNS)}) VALUES "
+    head = f"INSERT INTO jobs_rank ({', '.join(_RANK_COLUMNS)}) VALUES "  # noqa: S608 - constant columns
     one = "(" + ", ".join(["%s"] * len(_RANK_COLUMNS)) + ")"
     now_p = adapt(now)
     stall_s = timeouts.stall_s

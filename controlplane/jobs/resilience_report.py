@@ -1,7 +1,7 @@
 """A job's resilience report: which failures it survived, how fast, at what cost, and the goodput to
 expect at scale. Built from the job's stored facts with the same model properties and figures the job
 page and the operator API read (``RestartCycle.recovery_s``/``durations``/``lost_steps``,
-``figures.fault_figures``, ``Job.goodput``); nothing here measures anything new.
+``readouts.fault_figures``, ``Job.goodput``); nothing here measures anything new.
 
 One type serves the page, ``GET /api/v1/jobs/<id>/report`` (its OpenAPI schema is generated from it) and
 ``manage.py resilience_report``. Every figure carries the cycle keys and fault ids it came from, and the
@@ -25,7 +25,7 @@ from django.urls import reverse
 from django.utils import timezone
 from msgspec import Struct
 
-from controlplane.jobs import figures, projection
+from controlplane.jobs import projection, readouts
 from controlplane.jobs.models import Checkpoint, Fault, Job, RestartCycle, TrainingSample
 from trainer.wire import CheckpointMode, CheckpointState, FaultClass, Layer
 
@@ -131,7 +131,7 @@ class ReportSaves(Struct, kw_only=True):
     rows: list[ReportSave]
     async_cost: ReportPercentiles
     sync_cost: ReportPercentiles
-    cheaper: str | None  # figures.checkpoint_mode_advice: "async" | "sync" | None (not enough saves)
+    cheaper: str | None  # readouts.checkpoint_mode_advice: "async" | "sync" | None (not enough saves)
     save_cost_s: float | None  # the median cost per durable save, the projection's input
     links: dict[str, str]
 
@@ -209,7 +209,7 @@ def percentiles(values: list[float]) -> ReportPercentiles:
 
 def level_of(job: Job) -> int:
     """The job's integration level: the ranks' report, else its spec (own script without in-process: 0)."""
-    reported = figures.integration(job)
+    reported = readouts.integration(job)
     if reported is not None and reported.level is not None:
         return reported.level
     spec = job.spec or {}
@@ -372,7 +372,7 @@ def _saves(job) -> ReportSaves:
         if c.state == CheckpointState.DURABLE and cost is not None and c.mode in costs:
             costs[c.mode].append(cost)
         advice_rows.append((c.mode, c.state, c.blocking_s, c.write_s, c.interference_s))
-    advice = figures.checkpoint_mode_advice(advice_rows)
+    advice = readouts.checkpoint_mode_advice(advice_rows)
     mine = costs.get((job.spec or {}).get("checkpoint_mode", "async")) or costs[CheckpointMode.ASYNC] or \
         costs[CheckpointMode.SYNC]
     return ReportSaves(rows=rows, async_cost=percentiles(costs[CheckpointMode.ASYNC]),

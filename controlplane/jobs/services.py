@@ -12,9 +12,8 @@ from django.contrib.auth.models import AbstractBaseUser
 from django.db import transaction
 from django.utils import timezone
 
-from controlplane.jobs import figures
 from controlplane.jobs import heartbeats as hb_store
-from controlplane.jobs import launcher_port
+from controlplane.jobs import launcher_port, readouts
 from controlplane.jobs.models import (
     AuditEntry,
     Command,
@@ -82,7 +81,7 @@ def _forget_stale_heartbeats(job_id: int) -> None:
     can have beaten for this job yet (its ingest token is not committed)."""
     try:
         hb_store.get_store().drop_job(job_id)
-    except Exception:  # noqa: BLE001 - Redis down: the job is still created; the outage rules cover beats
+    except Exception:  # Redis down: the job is still created; the outage rules cover beats
         log.warning("job %s: could not clear stale heartbeat state for its id", job_id, exc_info=True)
 
 
@@ -142,7 +141,7 @@ def stop_grace_s(job: Job) -> float:
     """How long the trainer has to stop by itself before the launcher ends what is left: none when the
     job's code reported Level 0 only (an unmodified script cannot see a stop command, so waiting would
     only delay the stop), else ``TRAINER_STOP_GRACE_S``."""
-    integration = figures.integration(job)
+    integration = readouts.integration(job)
     if integration is not None and integration.level == 0:
         return 0.0
     return launcher_port.TRAINER_STOP_GRACE_S

@@ -18,8 +18,8 @@ from trainer.jobspec import (
     JobSpec,
     KubernetesSpec,
     SpecError,
-    reference_rows,
 )
+from trainer.spec_reference import reference_rows
 
 _STOPPED = wire.Phase.STOPPED.value
 _SLOW_PHASES = frozenset(p.value for p in wire.SLOW_PHASES)

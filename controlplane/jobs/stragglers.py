@@ -20,7 +20,7 @@ from datetime import datetime
 
 from django.db import connection, transaction
 
-from controlplane.jobs import figures, policy
+from controlplane.jobs import policy, readouts
 from controlplane.jobs.models import ACTIVE_STATUSES, Event, Job, Rank
 
 log = logging.getLogger(__name__)
@@ -41,7 +41,7 @@ def mark_stragglers(now: datetime) -> int:
 
 def _mark_job(job: Job, now: datetime) -> int:
     ranks = Rank.objects.filter(job=job)
-    slow = figures.slowdowns_of(job, ranks, now)
+    slow = readouts.slowdowns_of(job, ranks, now)
     marked = set(ranks.filter(straggler_at__isnull=False).values_list("rank", flat=True))
     new, gone = sorted(set(slow) - marked), sorted(marked - set(slow))
     if not new and not gone:
@@ -68,13 +68,13 @@ def _update(job_id: int, ranks: list[int], now: datetime, *, set_now: bool) -> l
     if not ranks:
         return []
     now_p = connection.ops.adapt_datetimefield_value(now)
-    marks = ", ".join(["%s"] * len(ranks))
+    marks = ", ".join(["%s"] * len(ranks))  # S608 below: only these placeholders are joined in
     if set_now:
-        sql = (f"UPDATE jobs_rank SET straggler_at = %s WHERE job_id = %s AND rank IN ({marks}) "
+        sql = (f"UPDATE jobs_rank SET straggler_at = %s WHERE job_id = %s AND rank IN ({marks}) "  # noqa: S608
                "AND straggler_at IS NULL RETURNING rank")
         params = [now_p, job_id, *ranks]
     else:
-        sql = (f"UPDATE jobs_rank SET straggler_at = NULL WHERE job_id = %s AND rank IN ({marks}) "
+        sql = (f"UPDATE jobs_rank SET straggler_at = NULL WHERE job_id = %s AND rank IN ({marks}) "  # noqa: S608
                "AND straggler_at IS NOT NULL RETURNING rank")
         params = [job_id, *ranks]
     with connection.cursor() as cur:

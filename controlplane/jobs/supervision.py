@@ -15,8 +15,8 @@ from django.db import connection, transaction
 from django.db.models import Count
 from django.utils import timezone
 
+from controlplane.jobs import attribution, notifications, outages, policy, rank_health, stragglers
 from controlplane.jobs import heartbeats as hb_store
-from controlplane.jobs import attribution, health, notifications, outages, policy, stragglers
 from controlplane.jobs.models import (
     ACTIVE_STATUSES,
     Fault,
@@ -27,7 +27,7 @@ from controlplane.jobs.models import (
     RankHealth,
 )
 from controlplane.jobs.services import request_stop, set_status
-from trainer.policy import Action, Decision
+from trainer.policy_rules import Action, Decision
 from trainer.wire import FaultClass
 
 log = logging.getLogger(__name__)
@@ -76,7 +76,8 @@ def _claim(column: str, job_id: int, ranks: list[int], now: datetime, condition:
     with connection.cursor() as cur:
         for i in range(0, len(ranks), _CHUNK):
             part = ranks[i:i + _CHUNK]
-            cur.execute(f"UPDATE jobs_rank SET {column} = %s WHERE job_id = %s AND rank IN "
+            # S608: column and condition are literals in this module's calls; the values are parameters.
+            cur.execute(f"UPDATE jobs_rank SET {column} = %s WHERE job_id = %s AND rank IN "  # noqa: S608
                         f"({', '.join(['%s'] * len(part))}) AND {condition} RETURNING rank",
                         [now_p, job_id, *part, now_p])
             out += [r[0] for r in cur.fetchall()]
@@ -90,7 +91,7 @@ def mark_overdue(now: datetime | None = None, *, store: hb_store.HeartbeatStore 
        database rows (``Rank.objects.overdue``: covers the database store, and with Redis, a Redis
        that restarted empty or a fallback to the database; then a grace of two flush intervals
        applies, so such a loss is found up to ``backstop_grace_s`` late).
-    2. Per job, judge each candidate by ``health.rank_health`` (its row with the store's freshest beat),
+    2. Per job, judge each candidate by ``rank_health.rank_health`` (its row with the store's freshest beat),
        so a rank that beat after the last flush is not claimed. The watchdog writes no heartbeat rows.
     3. Claim ``lost_at`` with a conditional UPDATE; insert one fault per claimed rank (``source_key`` =
        rank + deadline); both in one transaction.
@@ -125,7 +126,7 @@ def mark_overdue(now: datetime | None = None, *, store: hb_store.HeartbeatStore 
         if job is None or not job.is_active:
             try:
                 store.drop_job(job_id)
-            except Exception:  # noqa: BLE001
+            except Exception:
                 log.warning("watchdog: could not drop heartbeat state of job %s", job_id, exc_info=True)
             continue
         try:
@@ -138,14 +139,14 @@ def mark_overdue(now: datetime | None = None, *, store: hb_store.HeartbeatStore 
     if entries:
         try:
             store.forget(entries)
-        except Exception:  # noqa: BLE001 - the next pass sees them again; claims make that harmless
+        except Exception:  # the next pass sees them again; claims make that harmless
             log.warning("watchdog: could not forget handled deadlines", exc_info=True)
     return n
 
 
 def _mark_job_lost(job: Job, ranks: list[int], now: datetime, store: hb_store.HeartbeatStore, *,
                    windows: list[tuple[float, float]] = ()) -> tuple[int, set[int]]:
-    """Record a fault for, and claim, the ranks that ``health.rank_health`` finds lost (by the store's
+    """Record a fault for, and claim, the ranks that ``rank_health.rank_health`` finds lost (by the store's
     freshest beat: the rows are the flush's to write, never the watchdog's). Returns (faults recorded,
     ranks settled). A lost rank whose row the flush has not written yet gets its fault now (its
     ``source_key`` is rank + deadline, so it is recorded once) and stays unsettled: its index entry is
@@ -163,10 +164,10 @@ def _mark_job_lost(job: Job, ranks: list[int], now: datetime, store: hb_store.He
         fresh = {}
     timeouts = job.timeouts
     rows = {r.rank: r for r in Rank.objects.filter(job=job, rank__in=ranks)}
-    views = {r: health.current(rows.get(r) or Rank(job=job, rank=r), fresh.get(r), timeouts, now)
+    views = {r: rank_health.current(rows.get(r) or Rank(job=job, rank=r), fresh.get(r), timeouts, now)
              for r in ranks}
     lost = sorted(r for r, v in views.items() if v.lost_at is None and v.health_at(now) == RankHealth.LOST)
-    graced = {r for r in lost if views[r].stale_at is not None and health.in_grace(views[r], windows, now)}
+    graced = {r for r in lost if views[r].stale_at is not None and rank_health.in_grace(views[r], windows, now)}
     lost = [r for r in lost if r not in graced]
     # Settled: every rank but those whose deadline is not ahead and that this call did not claim (graced,
     # not claimable yet, or due exactly at ``now``: the index returns deadlines <= now, and a deadline

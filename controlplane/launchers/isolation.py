@@ -35,6 +35,7 @@ ALLOWED_NAMES = frozenset({
     "HTTP_PROXY", "HTTPS_PROXY", "NO_PROXY", "http_proxy", "https_proxy", "no_proxy",
     # The SDK's and launcher's own knobs an operator may set for every job (never a credential).
     "UNBROKEN_PRELOAD", "UNBROKEN_STANDBY_RANKS", "UNBROKEN_CKPT_SAVER", "UNBROKEN_FORK_RANKS",
+    "UNBROKEN_REPORTER_JOURNAL_DIR",
 })
 ALLOWED_PREFIXES = ("LC_", "CUDA_", "NVIDIA_", "NCCL_", "TORCH_", "PYTORCH_", "TORCHINDUCTOR_", "TRITON_",
                     "NVRX_", "NVTE_", "CUBLAS_", "CUDNN_", "OMP_", "MKL_", "KMP_", "GLOO_", "FI_", "UCX_")

@@ -14,10 +14,12 @@ monitor double-forks outside the tree), so nothing is left behind.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -32,6 +34,8 @@ from controlplane.launchers.isolation import account_problems, job_account, prep
 from trainer import nvrx_compat
 from trainer.ports import free_port_block
 from trainer.wire import FaultClass
+
+log = logging.getLogger(__name__)
 
 # trainer.launch's exit status for refused flags, for user code that cannot start, and for a failure-policy
 # rule that said stop (trainer/launch.py).
@@ -52,15 +56,18 @@ def _free_port_block() -> int:
         raise LaunchError(f"{e}; free some ports and retry") from e
 
 
-def _interpreter_problems(spec: JobSpec) -> list[str]:
+def _interpreter_problems(spec: JobSpec, account) -> list[str]:
     """Why the spec's interpreter cannot run the job's ranks: it must import ``unbroken`` (pip install
-    ./trainer) and ``torch``, with the environment the launch gives it."""
-    env = {**os.environ, **spec.env, "PYTHONPATH": nvrx_compat.child_pythonpath(
-        [str(settings.BASE_DIR), str(settings.BASE_DIR / "trainer")],
-        spec.env.get("PYTHONPATH") or os.environ.get("PYTHONPATH"))}
+    ./trainer) and ``torch``, with the environment the launch gives it, as the job's account."""
+    env = {**rank_env(dict(os.environ), spec.env, home=tempfile.gettempdir()),
+           "PYTHONPATH": nvrx_compat.child_pythonpath(
+               [str(settings.BASE_DIR), str(settings.BASE_DIR / "trainer")],
+               spec.env.get("PYTHONPATH") or os.environ.get("PYTHONPATH")),
+           "PYTHONDONTWRITEBYTECODE": "1"}
     try:
         r = subprocess.run([spec.python, "-c", "import unbroken, torch"], env=env, capture_output=True,
-                           text=True, timeout=120, stdin=subprocess.DEVNULL)
+                           text=True, timeout=120, stdin=subprocess.DEVNULL, cwd=tempfile.gettempdir(),
+                           **_as_account(account))
     except (OSError, subprocess.TimeoutExpired) as e:
         return [f"python: {spec.python} cannot run ({e}); name the interpreter of the environment where "
                 "you ran pip install ./trainer"]
@@ -94,15 +101,19 @@ class LocalLauncher:
             account = job_account()
         except LaunchError as e:
             return [*problems, str(e)]
-        # The job's account must be able to run this Python and our trainer (not under a 0700 /root).
-        unreachable = account_problems(account, [Path(sys.executable), Path(settings.BASE_DIR) / "trainer"])
+        # The job's account must be able to run the job's Python (the spec's, else this one) and our trainer
+        # (not under a 0700 /root).
+        python = Path(spec.python or sys.executable)
+        unreachable = account_problems(account, [*([python] if python.exists() else []),
+                                                 Path(settings.BASE_DIR) / "trainer"])
         problems += unreachable
+        # The spec's own interpreter first: the entrypoint check below runs in it.
+        interpreter = _interpreter_problems(spec, account) if spec.python and not unreachable else []
+        problems += interpreter
         if spec.entrypoint:
-            problems += [] if unreachable else _user_code_problems(spec, account)
+            problems += [] if unreachable or interpreter else _user_code_problems(spec, account)
         elif spec.preset not in ("tiny", "small"):
             problems.append(f"preset {spec.preset!r} needs GPUs; on this machine use tiny or small")
-        if spec.python:
-            problems += _interpreter_problems(spec)
         # Local ranks run with this process's environment, so its NVRx is theirs.
         installed = ".".join(map(str, nvrx_compat.version()))
         problems += nvrx_problems(spec, installed)
@@ -160,32 +171,21 @@ class LocalLauncher:
         as_account = _as_account(account)
         with open(log_path, "ab") as log:
             subprocess.run(
-                ["setsid", "-f", "sh", "-c", _SHELL, "unbroken-job", *argv],
+                ["setsid", "-f", "sh", "-c", _SHELL, "unbroken-job", *argv],  # noqa: S607 - the server's PATH
                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,
                 cwd=settings.BASE_DIR, check=True, **as_account,
             )
         pid = _wait_for_pid(pid_file)
         try:
-            created = psutil.Process(pid).create_time()
+            created, ticks = psutil.Process(pid).create_time(), start_ticks(pid)
         except psutil.NoSuchProcess:
-            created = None  # ended already; the exit file tells how
-        return {"pid": pid, "create_time": created, "log": str(log_path), "exit_file": str(exit_file),
-                "rdzv_port": base_port, "attempt": job.attempt, "tag": launch_tag(job), "argv": argv[1:]}
+            created, ticks = None, None  # ended already; the exit file tells how
+        return {"pid": pid, "create_time": created, "start_ticks": ticks, "log": str(log_path),
+                "exit_file": str(exit_file), "rdzv_port": base_port, "attempt": job.attempt,
+                "tag": launch_tag(job), "argv": argv[1:]}
 
     def _process(self, job: Job) -> psutil.Process | None:
-        st = job.launcher_state or {}
-        pid = st.get("pid")
-        if not pid:
-            return None
-        try:
-            proc = psutil.Process(pid)
-            if st.get("create_time") and abs(proc.create_time() - st["create_time"]) > 0.01:
-                return None  # the pid was reused by another process
-            if proc.status() == psutil.STATUS_ZOMBIE:
-                return None
-            return proc
-        except psutil.NoSuchProcess:
-            return None
+        return _launcher_process(job.launcher_state or {})[0]
 
     def poll(self, job: Job) -> PollResult:
         st = job.launcher_state or {}
@@ -204,10 +204,13 @@ class LocalLauncher:
             fault = LaunchFault(fault_class=FaultClass.PROCESS_KILLED, message=reason,
                                 source_key=f"exit-a{st.get('attempt', 0)}", at=exit_file.stat().st_mtime)
             return PollResult(state="failed", reason=reason, faults=[fault])
-        if self._process(job) is not None:
+        proc, why = _launcher_process(st)
+        if proc is not None:
             return PollResult(state="running")
         if exit_file.is_file():  # it wrote its exit status and ended between the two looks: read that
             return self.poll(job)
+        log.warning("job %s attempt %s: its launcher (pid %s) is gone: %s", job.pk, st.get("attempt"),
+                    st.get("pid"), why)
         reason = "the job's launcher process is gone without an exit status (killed, or the machine rebooted)"
         fault = LaunchFault(fault_class=FaultClass.PROCESS_KILLED, message=reason,
                             source_key=f"lost-a{st.get('attempt', 0)}")
@@ -319,9 +322,9 @@ def entrypoint_problems(spec, workdir: Path, account) -> list[str]:
            "PYTHONDONTWRITEBYTECODE": "1"}
     as_account = _as_account(account)
     try:
-        done = subprocess.run([sys.executable, "-c", _CHECK_ENTRYPOINT, spec.entrypoint], cwd=workdir,
-                              env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=60,
-                              **as_account)
+        done = subprocess.run([spec.python or sys.executable, "-c", _CHECK_ENTRYPOINT, spec.entrypoint],
+                              cwd=workdir, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                              timeout=60, **as_account)
     except subprocess.TimeoutExpired:
         return [f"entrypoint {spec.entrypoint}: importing it took over 60 s"]
     if done.returncode == 0:
@@ -334,6 +337,41 @@ def entrypoint_problems(spec, workdir: Path, account) -> list[str]:
 def _as_account(account) -> dict:
     """subprocess.run's arguments that start a process as ``account`` (none: as this process)."""
     return {"user": account.uid, "group": account.gid, "extra_groups": []} if account is not None else {}
+
+
+def _launcher_process(st: dict) -> tuple[psutil.Process | None, str]:
+    """The attempt's launcher process (the shell that writes its exit status), or None and why not."""
+    pid = st.get("pid")
+    if not pid:
+        return None, "no pid recorded"
+    try:
+        proc = psutil.Process(pid)
+        ticks = start_ticks(pid)
+        if st.get("start_ticks") is not None and ticks is not None:
+            if ticks != st["start_ticks"]:
+                return None, (f"pid {pid} is another process now (started {ticks} clock ticks after boot, "
+                              f"the launcher {st['start_ticks']})")
+        elif st.get("create_time") and abs(proc.create_time() - st["create_time"]) > 1.0:
+            return None, (f"pid {pid} is another process now (started at {proc.create_time():.2f}, the "
+                          f"launcher at {st['create_time']:.2f})")
+        status = proc.status()
+        if status == psutil.STATUS_ZOMBIE:
+            return None, f"pid {pid} is a zombie (ended; parent {proc.ppid()})"
+        return proc, status
+    except psutil.NoSuchProcess:
+        return None, f"no process {pid}"
+
+
+def start_ticks(pid: int) -> int | None:
+    """When ``pid`` started, in clock ticks since boot (``/proc/<pid>/stat``'s 22nd field), or None off
+    Linux. What tells a process from a later one with the same pid: psutil's ``create_time`` adds the boot
+    time as wall-clock seconds, which moves when a VM's clock is stepped (a paused or overloaded VM), and a
+    live launcher judged gone restarts the whole job."""
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_bytes()
+        return int(raw[raw.rindex(b")") + 2:].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def _wait_for_pid(pid_file: Path, timeout_s: float = 10.0) -> int:

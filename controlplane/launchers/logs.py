@@ -4,9 +4,8 @@ secret to a viewer), or why there is none."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import re
+from dataclasses import dataclass
 
 from controlplane.jobs.models import Fault, Job
 from trainer.wire import redact

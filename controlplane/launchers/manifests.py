@@ -200,24 +200,7 @@ def _ports(key: str) -> list[dict[str, Any]]:
 def pod_template(spec: JobSpec, *, job_id: int, attempt: int) -> dict[str, Any]:
     k8s = _k8s(spec)
     names = names_for(spec, job_id)
-    env: list[dict[str, Any]] = [
-        # Expanded by the kubelet in the args ($(VAR)); set here so it does not depend on the Job
-        # controller's injection (which skips a container that already defines it).
-        {"name": "JOB_COMPLETION_INDEX",
-         "valueFrom": {"fieldRef": {"fieldPath": f"metadata.annotations['{COMPLETION_INDEX}']"}}},
-        {"name": "UNBROKEN_TOKEN_FILE", "value": f"{TOKEN_DIR}/{TOKEN_KEY}"},
-        {"name": "UNBROKEN_REPORT_URL",
-         "valueFrom": {"secretKeyRef": {"name": names.secret, "key": REPORT_URL_KEY}}},
-        {"name": "UNBROKEN_JOB_ID", "value": str(job_id)},
-        {"name": "UNBROKEN_ATTEMPT", "value": str(attempt)},
-        *({"name": k, "value": literal(v)} for k, v in launch_env(spec).items()),
-        {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
-        {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
-        {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
-    ]
-    env += [{"name": k, "value": v} for k, v in NCCL_ENV.items()]
-    if k8s.efa_per_node:
-        env += [{"name": k, "value": v} for k, v in EFA_ENV.items()]
+    env = _pod_env(spec, names.secret, job_id=job_id, attempt=attempt)
     accelerators: dict[str, str] = {}
     if k8s.gpus_per_node:
         accelerators["nvidia.com/gpu"] = str(k8s.gpus_per_node)
@@ -247,13 +230,7 @@ def pod_template(spec: JobSpec, *, job_id: int, attempt: int) -> dict[str, Any]:
     for i, secret in enumerate(k8s.secrets):
         container["volumeMounts"].append({"name": f"user-secret-{i}", "readOnly": True,
                                           "mountPath": f"{USER_SECRETS_DIR}/{secret}"})
-    tolerations = [dict(t) for t in k8s.tolerations]
-    if k8s.gpus_per_node and not any(t.get("key") == "nvidia.com/gpu" for t in tolerations):
-        tolerations.append({"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"})
-    for key in ("node.kubernetes.io/unreachable", "node.kubernetes.io/not-ready"):
-        if not any(t.get("key") == key for t in tolerations):
-            tolerations.append({"key": key, "operator": "Exists", "effect": "NoExecute",
-                                "tolerationSeconds": NODE_LOST_TOLERATION_S})
+    tolerations = _tolerations(k8s)
     pod_spec: dict[str, Any] = {
         "restartPolicy": "Never",
         "containers": [container],
@@ -278,6 +255,44 @@ def pod_template(spec: JobSpec, *, job_id: int, attempt: int) -> dict[str, Any]:
         # Indexed Job + subdomain: the Job controller sets hostname <job>-<index>. (JobSet sets both.)
         pod_spec["subdomain"] = names.service
     return {"metadata": {"labels": labels(job_id, attempt)}, "spec": pod_spec}
+
+
+def _pod_env(spec: JobSpec, secret: str, *, job_id: int, attempt: int) -> list[dict[str, Any]]:
+    """The training container's environment before ``_env`` adds the user's: its index, token and report
+    URL, the job's launch settings, where it runs, and NCCL's (and EFA's) settings."""
+    k8s = _k8s(spec)
+    env: list[dict[str, Any]] = [
+        # Expanded by the kubelet in the args ($(VAR)); set here so it does not depend on the Job
+        # controller's injection (which skips a container that already defines it).
+        {"name": "JOB_COMPLETION_INDEX",
+         "valueFrom": {"fieldRef": {"fieldPath": f"metadata.annotations['{COMPLETION_INDEX}']"}}},
+        {"name": "UNBROKEN_TOKEN_FILE", "value": f"{TOKEN_DIR}/{TOKEN_KEY}"},
+        {"name": "UNBROKEN_REPORT_URL",
+         "valueFrom": {"secretKeyRef": {"name": secret, "key": REPORT_URL_KEY}}},
+        {"name": "UNBROKEN_JOB_ID", "value": str(job_id)},
+        {"name": "UNBROKEN_ATTEMPT", "value": str(attempt)},
+        *({"name": k, "value": literal(v)} for k, v in launch_env(spec).items()),
+        {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
+        {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+    ]
+    env += [{"name": k, "value": v} for k, v in NCCL_ENV.items()]
+    if k8s.efa_per_node:
+        env += [{"name": k, "value": v} for k, v in EFA_ENV.items()]
+    return env
+
+
+def _tolerations(k8s: KubernetesSpec) -> list[dict[str, Any]]:
+    """The user's tolerations, GPU nodes' taint, and an unreachable or not-ready node tolerated for only
+    ``NODE_LOST_TOLERATION_S``, so a lost node becomes a failed pod within a minute."""
+    tolerations = [dict(t) for t in k8s.tolerations]
+    if k8s.gpus_per_node and not any(t.get("key") == "nvidia.com/gpu" for t in tolerations):
+        tolerations.append({"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"})
+    for key in ("node.kubernetes.io/unreachable", "node.kubernetes.io/not-ready"):
+        if not any(t.get("key") == key for t in tolerations):
+            tolerations.append({"key": key, "operator": "Exists", "effect": "NoExecute",
+                                "tolerationSeconds": NODE_LOST_TOLERATION_S})
+    return tolerations
 
 
 def _job_spec(spec: JobSpec, *, job_id: int, attempt: int) -> dict[str, Any]:

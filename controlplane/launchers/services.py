@@ -15,8 +15,8 @@ from django.db import IntegrityError, transaction
 from django.db.models import Q
 from django.utils import timezone
 
+from controlplane.jobs import attribution, policy
 from controlplane.jobs.launcher_port import TRAINER_STOP_GRACE_S
-
 from controlplane.jobs.models import (
     ACTIVE_STATUSES,
     Command,
@@ -26,11 +26,10 @@ from controlplane.jobs.models import (
     JobStatus,
     RestartCycle,
 )
-from controlplane.jobs import attribution, policy
 from controlplane.jobs.services import begin_job_restart, finish_command, set_status
 from controlplane.launchers.backends import get_launcher
 from controlplane.launchers.base import LaunchError, LaunchFault, PollResult, TransientLaunchError
-from trainer.policy import Action, Decision
+from trainer.policy_rules import Action, Decision
 from trainer.wire import CommandKind, Layer, cycle_key
 
 log = logging.getLogger(__name__)

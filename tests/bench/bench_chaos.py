@@ -64,9 +64,11 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests" / "bench"))
 
+from controlplane.healthz import read_supervised  # noqa: E402
+from trainer.ports import free_port  # noqa: E402
+
 from prodshape import ensure_database  # noqa: E402
 from stats import Target, verdict  # noqa: E402
-from trainer.ports import free_port  # noqa: E402
 
 DEFAULT_DB = "postgres://postgres@127.0.0.1:5432/unbroken_chaos"
 
@@ -122,14 +124,10 @@ class Api:
 def health(base: str) -> dict[str, dict[str, str]] | None:
     try:
         with urllib.request.urlopen(base + "/healthz", timeout=3) as r:
-            lines = r.read().decode().splitlines()
+            body = r.read().decode()
     except OSError:
         return None
-    out = {}
-    for line in lines[1:]:
-        name, *kv = line.split()
-        out[name] = dict(x.split("=", 1) for x in kv)
-    return out
+    return read_supervised(body)
 
 
 def wait_for(cond, timeout_s: float, what: str):
@@ -163,7 +161,7 @@ def ranks_steps_lost(step_dir: Path) -> list[int]:
     per_rank = []
     for f in sorted(step_dir.glob("rank*.log")):
         steps = [int(line.split()[0]) for line in f.read_text().splitlines() if line.strip()]
-        per_rank.append([prev - cur + 1 for prev, cur in zip(steps, steps[1:]) if cur != prev + 1])
+        per_rank.append([prev - cur + 1 for prev, cur in itertools.pairwise(steps) if cur != prev + 1])
     return [max(x) for x in itertools.zip_longest(*per_rank, fillvalue=0)]
 
 
@@ -394,6 +392,9 @@ def main() -> int:
         log(f"serve log: {len(text.splitlines())} lines, {text.count('Traceback')} tracebacks, "
             f"{text.count(' ERROR ')} ERROR lines, {text.count(' WARNING ')} WARNING lines "
             f"({tmp / 'serve.log'})")
+        for line in text.splitlines():  # a job-level restart of a live attempt shows as a false fault: why
+            if "its launcher (pid" in line:
+                log(f"   {line.strip()}")
     figures = {k: result.get(k, -1) for k in ("events_sent", "events_stored", "duplicates", "false_faults",
                                               "steps_lost_mismatch")}
     figures.update(control_plane_up=up, drills_fired=result.get("drills_fired", 0),

@@ -22,9 +22,14 @@ does comes out of the steps. On a GPU node a step is mostly device time, in whic
 and its cores idle. So the same model state and saves run once more with each step's compute followed
 by a ``time.sleep`` (it releases the GIL) standing for device time, sized to the median CPU step
 measured here (``--device-share`` of the step, 0.5 by default: the ranks leave about half of the host's
-CPU idle; the idle cores measured are printed). ``--gpu-repeats`` triples of windows: no save, one async
-save, one sync save; ``gpu_shaped_async_total_s`` and ``gpu_shaped_sync_total_s`` are the medians of
-(window with the save - window without). No GPU is involved: the device time is emulated.
+CPU idle; the idle cores measured are printed). ``--gpu-repeats`` triples of one async save, one sync
+save and the same steps with no save (a control: the method's own noise; each goes first in turn), each
+timed step by step: the save call, plus each later step's time over
+the median of the 4 steps just before the save, until the save is written and one step more.
+``gpu_shaped_async_total_s`` and ``gpu_shaped_sync_total_s`` are the medians. (A first version took
+differences of whole 10-step windows: this VM's step time drifts by more than a save costs over 19 s.) No
+GPU is involved: the device time is emulated. The async saves there run where the product runs them (DCP's
+THREAD executor; ``UNBROKEN_CKPT_SAVER=process``: the saver process), which the output names.
 
 Then (medians by nearest rank with min..max and n, tests/bench/stats.py)::
 
@@ -52,7 +57,6 @@ sys.path.insert(0, str(ROOT))
 
 from tests.bench.stats import Target, median, verdict  # noqa: E402
 
-
 #: A control load (``--controls``): a process at idle CPU priority that burns ``seconds`` of CPU, either
 #: in a pure-Python loop (no memory traffic) or copying an 80 MB buffer (a save's staging and write
 #: stream about that much per rank). On a machine whose steps are bound by memory bandwidth, the copy
@@ -73,6 +77,11 @@ while time.process_time() - t < seconds:
         for i in range(100_000):
             x += i
 """
+
+
+#: GPU-shaped saves: steps timed before each save (its baseline), steps counted after it is written, and
+#: the most steps an async save may overlap before the rest of its write counts as a wait.
+GPU_BASE_STEPS, GPU_AFTER_STEPS, GPU_MAX_OVERLAP_STEPS = 4, 1, 20
 
 
 def worker(run_dir: str, repeats: int, window: int, controls: int, gpu_repeats: int,
@@ -172,19 +181,50 @@ def worker(run_dir: str, repeats: int, window: int, controls: int, gpu_repeats: 
     device_s = median(step_cpu) * device_share / (1 - device_share)
     dist.broadcast_object_list(box := [device_s], src=0)
     device_s = box[0]  # the same on every rank, or the ranks would wait for each other instead
-    gpu_plain, gpu_async, gpu_sync, gpu_idle = [], [], [], []
-    for _ in range(gpu_repeats):
+    gpu_base, gpu_async, gpu_sync, gpu_idle, gpu_overlap = [], [], [], [], []
+
+    def timed_step() -> float:
+        t = time.perf_counter()
+        train_step()
+        return time.perf_counter() - t
+
+    def gpu_save_cost(mode: CheckpointMode | None) -> float:
+        """One save's whole cost to the loop, step by step: the save call, plus each following step's
+        time over the median of the BASE steps just before it, until the save is written and AFTER steps
+        more (a sync save is written when the call returns). Per-step, against the steps seconds before,
+        because this machine's step time drifts by more than a save costs over a window of steps.
+        ``mode`` None: the same steps and sums with no save (the method's own noise and bias)."""
+        dist.barrier()
         idle0, t0 = _idle_s(), time.perf_counter()
-        gpu_plain.append(plain_window())
-        gpu_idle.append((_idle_s() - idle0) / (time.perf_counter() - t0))
-        for mode, out in ((CheckpointMode.ASYNC, gpu_async), (CheckpointMode.SYNC, gpu_sync)):
-            dist.barrier()
-            t = time.perf_counter()
+        base = [timed_step() for _ in range(GPU_BASE_STEPS)]
+        if mode is None:
+            gpu_idle.append((_idle_s() - idle0) / (time.perf_counter() - t0))
+        baseline = median(base)
+        gpu_base.append(baseline)
+        t = time.perf_counter()
+        if mode is not None:
             ck.save(state, step, mode=mode)
-            for _ in range(window):
-                train_step()
-            ck.wait()
-            out.append(time.perf_counter() - t - gpu_plain[-1])
+        call = time.perf_counter() - t
+        during, after = [], []
+        while ck.in_flight and len(during) < GPU_MAX_OVERLAP_STEPS:
+            during.append(timed_step() - baseline)
+        for _ in range(GPU_AFTER_STEPS):
+            after.append(timed_step() - baseline)
+        t = time.perf_counter()
+        ck.wait()  # written already (or the overlap cap was hit: the rest of the wait counts)
+        waited = time.perf_counter() - t
+        gpu_parts[mode].append((call, sum(during), sum(after), waited))
+        if mode == CheckpointMode.ASYNC:
+            gpu_overlap.append(len(during))
+        return call + sum(during) + sum(after) + waited
+
+    gpu_parts: dict[CheckpointMode | None, list[tuple[float, float, float, float]]] = {
+        CheckpointMode.ASYNC: [], CheckpointMode.SYNC: [], None: []}
+    gpu_none: list[float] = []
+    for i in range(gpu_repeats):
+        order = ((CheckpointMode.ASYNC, gpu_async), (CheckpointMode.SYNC, gpu_sync), (None, gpu_none))
+        for mode, out in order[i % 3:] + order[:i % 3]:  # each goes first as often as the others
+            out.append(gpu_save_cost(mode))
     gpu_device_s, device_s = device_s, 0.0
     ck.close()
 
@@ -208,8 +248,8 @@ def worker(run_dir: str, repeats: int, window: int, controls: int, gpu_repeats: 
         state_mb = sum(os.path.getsize(os.path.join(d, f)) for d in [os.path.join(run_dir, "checkpoints",
                        sorted(os.listdir(os.path.join(run_dir, "checkpoints")))[-1])]
                        for f in os.listdir(d)) / 1e6
-        ratios = [pl / ws for pl, ws in zip(plain, with_save)]
-        deltas = [ws - pl for pl, ws in zip(plain, with_save)]
+        ratios = [pl / ws for pl, ws in zip(plain, with_save, strict=True)]
+        deltas = [ws - pl for pl, ws in zip(plain, with_save, strict=True)]
         print(f"checkpoint size {state_mb:.0f} MB; step {median(plain) / window:.3f} s", flush=True)
         print(f"sync blocking   {[round(x, 3) for x in sync_block]}", flush=True)
         print(f"async blocking  {[round(x, 4) for x in async_block]}", flush=True)
@@ -237,21 +277,30 @@ def worker(run_dir: str, repeats: int, window: int, controls: int, gpu_repeats: 
             print(f"  CPU only        {spread(control['cpu'])}", flush=True)
             print(f"  copying memory  {spread(control['copy'])}", flush=True)
         ga, gs = median(gpu_async), median(gpu_sync)
-        print(f"GPU-shaped window (EMULATED device time: a {gpu_device_s * 1e3:.0f} ms sleep after each "
+        print(f"GPU-shaped steps (EMULATED device time: a {gpu_device_s * 1e3:.0f} ms sleep after each "
               f"step's {median(step_cpu) * 1e3:.0f} ms of CPU compute, device share {device_share:.2f}; "
-              "no GPU):", flush=True)
-        print(f"  idle cores      {spread(gpu_idle, 2)}  (machine-wide, in the windows without a save; "
+              f"no GPU; async saves in {'the saver process' if ck.saver else 'DCP THREAD executor'}):",
+              flush=True)
+        print(f"  idle cores      {spread(gpu_idle, 2)}  (machine-wide, in the steps before a save; "
               f"{os.cpu_count()} cores)", flush=True)
-        print(f"  {window} steps, no save {spread(gpu_plain)}", flush=True)
-        print(f"  async total s   {spread(gpu_async)}  (window with one async save - without)", flush=True)
-        print(f"  sync total s    {spread(gpu_sync)}  (window with one sync save - without)", flush=True)
+        print(f"  step s          {spread(gpu_base)}  (median of the {GPU_BASE_STEPS} steps before each save)",
+              flush=True)
+        print(f"  async total s   {spread(gpu_async)}  (the save call + each step's excess until written, "
+              f"+{GPU_AFTER_STEPS}; steps it overlapped: {spread(gpu_overlap, 0)})", flush=True)
+        print(f"  sync total s    {spread(gpu_sync)}  (the save call + the next {GPU_AFTER_STEPS} steps' excess)",
+              flush=True)
+        print(f"  no save s       {spread(gpu_none)}  (the same sums with no save: the method's noise and bias)",
+              flush=True)
+        for mode, parts in gpu_parts.items():
+            print(f"  {mode or 'none':5} parts (call, steps while written, after, wait): "
+                  + "; ".join(", ".join(f"{x:.3f}" for x in p) for p in parts), flush=True)
         print(f"load average {os.getloadavg()}", flush=True)
         figures = {"block_ratio": a / s, "efficiency": eff, "async_total_ratio": total / s,
                    "gpu_shaped_ratio": ga / gs}
         print(f"sync_block_s={s:.4f} async_block_s={a:.4f} block_ratio={a / s:.4f} efficiency={eff:.4f} "
               f"async_total_s={total:.4f} sync_total_s={s:.4f} gpu_shaped_async_total_s={ga:.4f} "
               f"gpu_shaped_sync_total_s={gs:.4f} gpu_shaped_ratio={ga / gs:.4f} n={len(plain)} "
-              f"n_gpu_shaped={len(gpu_plain)} (gpu_shaped_*: emulated device time)", flush=True)
+              f"n_gpu_shaped={len(gpu_async)} (gpu_shaped_*: emulated device time)", flush=True)
         status = verdict(figures, [Target("block_ratio", "<=", 0.05), Target("efficiency", ">=", 0.98),
                                    Target("async_total_ratio", "<=", 0.5),
                                    Target("gpu_shaped_ratio", "<=", 0.3)])
@@ -278,7 +327,7 @@ def main() -> int:
                    help="pairs of windows without/with an idle-priority control load "
                         "(CPU only, copying memory)")
     p.add_argument("--gpu-repeats", type=int, default=7,
-                   help="triples of GPU-shaped windows (emulated device time): no save, async, sync save")
+                   help="triples of GPU-shaped saves (emulated device time): async, sync, none (a control)")
     p.add_argument("--device-share", type=float, default=0.5,
                    help="the share of a GPU-shaped step that is emulated device time (the host idle)")
     p.add_argument("--worker", action="store_true")

@@ -46,6 +46,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from tests.bench.stats import Target, median, percentile, verdict  # noqa: E402
+
 DATA_DIR = ROOT / "var" / "bench-dashboard"
 POLL_S = 0.5
 RANKS = 64
@@ -430,7 +431,19 @@ class PageClient:
             self.stop.wait(POLL_S)
 
 
-def post(base: str, job_id: int, token: str, body: dict) -> None:
+def live_fault_message(i: int, marker: str) -> str:
+    """A fault each of its own failure, as a trainer reports them: its own in-process restart cycle and its
+    own innermost frame. Faults of one failure (one cycle, or close in time without one) or a repeat of the
+    one before (same class, type and frame) fold under their first on the page (``jobs.attribution``), so
+    their own lines would never show there."""
+    return (f"{marker}: BenchError('{marker}')\n\nTraceback (most recent call last):\n"
+            f'  File "/bench/train_{i}.py", line {i + 1}, in step_{i}\n    raise BenchError\n'
+            f"BenchError: {marker}")
+
+
+def post(base: str, job_id: int, token: str, now: float, *, heartbeats=(), events=()) -> None:
+    """Send one ingest batch sent at ``now``, as the bench's stand-in trainer does."""
+    body = {"v": 1, "sent_at": now, "source": "bench", "heartbeats": list(heartbeats), "events": list(events)}
     req = urllib.request.Request(
         f"{base}/api/v1/jobs/{job_id}/ingest",
         data=json.dumps(body).encode(),
@@ -483,24 +496,19 @@ def measure_live(job, token: str, user, *, faults: int, app: str) -> list[float]
                     base,
                     job.pk,
                     token,
-                    {
-                        "v": 1,
-                        "sent_at": now,
-                        "source": "bench",
-                        "events": [],
-                        "heartbeats": [
-                            {
-                                "rank": r,
-                                "step": step,
-                                "phase": "train",
-                                "at": now,
-                                "loss": 2.0,
-                                "step_time_s": 0.5,
-                                "node": f"node-{r // 8}",
-                            }
-                            for r in range(RANKS)
-                        ],
-                    },
+                    now,
+                    heartbeats=[
+                        {
+                            "rank": r,
+                            "step": step,
+                            "phase": "train",
+                            "at": now,
+                            "loss": 2.0,
+                            "step_time_s": 0.5,
+                            "node": f"node-{r // 8}",
+                        }
+                        for r in range(RANKS)
+                    ],
                 )
                 stop.wait(1.0)
 
@@ -519,21 +527,17 @@ def measure_live(job, token: str, user, *, faults: int, app: str) -> list[float]
                 base,
                 job.pk,
                 token,
-                {
-                    "v": 1,
-                    "sent_at": now,
-                    "source": "bench",
-                    "heartbeats": [],
-                    "events": [
-                        {
-                            "id": f"live-{i}",
-                            "kind": "fault",
-                            "at": now,
-                            "rank": i % RANKS,
-                            "data": {"fault": "exception", "message": marker, "detected_by": "in_process"},
-                        }
-                    ],
-                },
+                now,
+                events=[
+                    {
+                        "id": f"live-{i}",
+                        "kind": "fault",
+                        "at": now,
+                        "rank": i % RANKS,
+                        "data": {"fault": "exception", "message": live_fault_message(i, marker),
+                                 "detected_by": "in_process", "cycle": f"a0-ij0-ip{i + 1}"},
+                    }
+                ],
             )
             accepted[marker] = time.monotonic()
             time.sleep(rnd.uniform(0.4, 1.2))

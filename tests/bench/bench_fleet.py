@@ -48,7 +48,6 @@ import base64
 import json
 import math
 import multiprocessing
-import os
 import random
 import shutil
 import signal
@@ -62,9 +61,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import fleet  # noqa: E402
-from stats import Target, median, percentile, verdict  # noqa: E402
-from prodshape import (  # noqa: E402
+from trainer.ports import free_port
+
+import fleet
+from prodshape import (
     bench_env,
     cpu_seconds,
     cpu_since,
@@ -75,7 +75,7 @@ from prodshape import (  # noqa: E402
     stop,
     wait_http,
 )
-from trainer.ports import free_port  # noqa: E402
+from stats import Target, median, percentile, verdict
 
 OWN_DB = "postgres://postgres@127.0.0.1:5432/unbroken_bench_fleet"
 OWN_REDIS = "redis://127.0.0.1:6379/10"
@@ -350,7 +350,7 @@ def setup_job(*, ranks: int, interval_s: float):
     if old:  # big tables in one statement each (the ORM's cascade would load every row first)
         with connection.cursor() as cur:
             for table in ("jobs_rank", "jobs_event", "jobs_trainingsample"):
-                cur.execute(f"DELETE FROM {table} WHERE job_id = ANY(%s)", [old])
+                cur.execute(f"DELETE FROM {table} WHERE job_id = ANY(%s)", [old])  # noqa: S608 - the tables above
         Job.objects.filter(pk__in=old).delete()
         with connection.cursor() as cur:
             cur.execute("VACUUM ANALYZE jobs_rank")

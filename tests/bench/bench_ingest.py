@@ -41,9 +41,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import loadgen  # noqa: E402
-from stats import Target, median, verdict  # noqa: E402
-from prodshape import (  # noqa: E402
+from trainer.ports import free_port
+
+import loadgen
+from prodshape import (
     bench_env,
     cpu_seconds,
     cpu_since,
@@ -55,7 +56,7 @@ from prodshape import (  # noqa: E402
     stop,
     wait_http,
 )
-from trainer.ports import free_port  # noqa: E402
+from stats import Target, median, verdict
 
 
 def one_run(args: argparse.Namespace, env: dict[str, str], run_no: int, tmp: Path) -> dict:
@@ -159,11 +160,11 @@ def main() -> int:
     env = bench_env(tmp)
     prepare(env)
 
-    from controlplane.jobs.models import Job
-
     # Earlier runs' jobs go, and their rows' dead versions with them: every run starts from the same
     # table (100k upserts every flush leave dead tuples; a bloated table made later runs slower).
     from django.db import connection
+
+    from controlplane.jobs.models import Job
 
     old = list(Job.objects.filter(name__startswith="bench-ingest-").values_list("pk", flat=True))
     with connection.cursor() as cur:

@@ -72,7 +72,7 @@ def start_server() -> tuple[subprocess.Popen, str]:
     url = f"http://127.0.0.1:{port}"
     for _ in range(120):
         try:
-            urllib.request.urlopen(f"{url}/api/v1/openapi.json", timeout=1)  # noqa: S310 - loopback
+            urllib.request.urlopen(f"{url}/api/v1/openapi.json", timeout=1)  # loopback
             return proc, url
         except OSError:
             time.sleep(0.5)

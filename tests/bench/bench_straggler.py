@@ -21,7 +21,7 @@ clean run, **summed** over all runs. A slowed run without a mark (or without the
 missed detection: the run fails.
 
 evidence_ms: the p99 step time added while a fault's evidence is collected. The rank's evidence is taken
-off the main thread (``trainer/evidence.py``: the main thread's stack from the in-process layer's monitor
+off the main thread (``trainer/stacks.py``: the main thread's stack from the in-process layer's monitor
 thread, which is what a hang's evidence is; tracebacks are formatted once, on the fault path), so the cost
 to a step is the interference of that collection: one process runs a fixed CPU step (a 256x256 matmul
 chain, ~2-5 ms) 1,000 times with no collection, then 1,000 times while another thread takes the main
@@ -55,9 +55,10 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests" / "bench"))
 
+from trainer.ports import free_port  # noqa: E402
+
 from bench_chaos import Api, health, recreate_database, wait_for  # noqa: E402
 from stats import Target, median, percentile, verdict  # noqa: E402
-from trainer.ports import free_port  # noqa: E402
 
 DEFAULT_DB = "postgres://postgres@127.0.0.1:5432/unbroken_bench_straggler"
 DEFAULT_REDIS = "redis://127.0.0.1:6379/11"
@@ -178,7 +179,7 @@ def evidence_ms(pairs: int = 5, steps: int = 1000) -> float:
 
     import torch
 
-    from trainer.evidence import main_thread_stack
+    from trainer.stacks import main_thread_stack
 
     torch.set_num_threads(1)
     a = torch.randn(256, 256)

@@ -57,8 +57,9 @@ def prepare(env: dict[str, str], *, own_redis: str = DEFAULT_REDIS) -> None:
 
 
 def ensure_database(url: str) -> None:
-    import psycopg
     from urllib.parse import urlparse
+
+    import psycopg
 
     u = urlparse(url)
     name = u.path.lstrip("/")

@@ -10,8 +10,7 @@ from pathlib import Path
 import pytest
 
 from controlplane.jobs.models import Job, RestartCycle
-from controlplane.launchers.local import LocalLauncher
-from tests.helpers import wait_for
+from tests.helpers import end_job, wait_for
 from trainer.wire import Layer
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow, pytest.mark.django_db(transaction=True)]
@@ -60,5 +59,4 @@ def test_it_runs_ones_own_script_from_the_form(e2e_settings, celery_beat_thread,
         assert not errors, errors
     finally:
         if job is not None:
-            job.refresh_from_db()
-            LocalLauncher().stop(job, grace_s=2.0)
+            end_job(job)

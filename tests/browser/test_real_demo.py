@@ -11,9 +11,8 @@ import time
 import pytest
 
 from controlplane.jobs.models import Command, Job, RestartCycle
-from controlplane.launchers.local import LocalLauncher
 from tests.browser.conftest import hover_text
-from tests.helpers import wait_for
+from tests.helpers import end_job, wait_for
 from trainer.wire import Layer
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow, pytest.mark.django_db(transaction=True)]
@@ -75,5 +74,4 @@ def test_it_runs_the_demo_job_and_a_manual_restart_live(e2e_settings, celery_bea
         assert not errors, errors
     finally:
         if job is not None:
-            job.refresh_from_db()
-            LocalLauncher().stop(job, grace_s=2.0)
+            end_job(job)

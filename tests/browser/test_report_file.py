@@ -15,7 +15,8 @@ from tests.controlplane.dashboard.factories import make_user
 pytestmark = [pytest.mark.browser, pytest.mark.django_db(transaction=True)]
 
 
-def test_the_report_file_opens_with_no_request_leaving_the_machine(browser, post, settle, tmp_path, shot):
+def test_the_report_file_opens_with_no_request_leaving_the_machine(
+        browser, post, settle, tmp_path, shot):  # noqa: F811 - post and settle: the fixtures imported above
     job = drill.build(post, settle, user=make_user("viewer"))
     out = tmp_path / "report.html"
     call_command("resilience_report", str(job.pk), "--out", str(out))

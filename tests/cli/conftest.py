@@ -6,6 +6,7 @@ from __future__ import annotations
 import fcntl
 import os
 import select
+import signal
 import struct
 import subprocess
 import sys
@@ -72,8 +73,12 @@ def in_pty(args: list[str], env: dict, cwd) -> tuple[subprocess.Popen, int]:
     """The command under a 160 x 40 pseudo-terminal, as in a user's terminal: (its process, the master fd)."""
     master, slave = os.openpty()
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 160, 0, 0))
+    # Ctrl-C as a terminal's user has it: a runner that started this suite in the background (a
+    # non-interactive shell's `&`) left SIGINT ignored, which a child inherits and Python then never turns
+    # into KeyboardInterrupt.
     proc = subprocess.Popen([str(UNBROKEN), *args], stdin=slave, stdout=slave, stderr=slave, env=env, cwd=cwd,
-                            start_new_session=True, close_fds=True)
+                            start_new_session=True, close_fds=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     os.close(slave)
     return proc, master
 

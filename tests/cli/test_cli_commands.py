@@ -147,7 +147,7 @@ def test_it_builds_the_spec_the_forms_own_script_preset_builds(operator_env, tmp
     assert job.name == "mine" and job.created_by.username == "op"
 
 
-def _wait_for_screen(proc, master, screen: bytearray, pattern: bytes, timeout_s: float = 30) -> None:
+def _wait_for_screen(proc, master, screen: bytearray, pattern: bytes, timeout_s: float = 90) -> None:
     deadline = time.monotonic() + timeout_s
     while not re.search(pattern, screen):
         assert time.monotonic() < deadline and proc.poll() is None, screen.decode(errors="replace")[-2000:]

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from controlplane.jobs.models import Job
-from controlplane.launchers.local import LocalLauncher
 from controlplane.launchers.services import supervise_all
 from tests.cli.conftest import EXAMPLES, UNBROKEN, in_pty, read_pty, unbroken, validate
+from tests.helpers import end_job
 
 pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts"
@@ -53,8 +53,7 @@ def test_it_runs_the_level0_example_through_a_sigkill_and_shows_it(operator_env,
             proc.kill()
         os.close(master)
         if job is not None:
-            job.refresh_from_db()
-            LocalLauncher().stop(job, grace_s=2.0)
+            end_job(job)
 
     # The URL first, then what happened as it happened: the fault, the in-job cycle with its phases, the end.
     url = f"{operator_env['UNBROKEN_URL']}/jobs/{job.pk}/"

@@ -50,7 +50,6 @@ def make_job(*, spec: dict | None = None, status: str = "running", **overrides):
     """A job with a fresh ingest token; returns (job, token)."""
     from controlplane.jobs.models import Job
     from controlplane.jobs.spec import JobSpec
-
     from trainer.jobspec import IN_PROCESS_HARD_TIMEOUT_S
 
     defaults: dict = {"procs_per_node": 4}

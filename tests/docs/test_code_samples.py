@@ -2,8 +2,11 @@
 
 - The Level-1 diff is exactly what turns ``trainer/examples/plain_fsdp.py`` into ``fsdp_level1.py``
   (indentation and the ``# unbroken`` markers aside; ``...`` stands for unchanged lines).
-- The curl examples run, as written, against a live test server: a real ``curl``, the docs' URL and
-  ``$PASS`` pointed at it.
+- The curl examples run, as written, against a live test server: a real ``curl`` with ``--fail``, the docs'
+  URL, ``$PASS`` and ``$UNBROKEN_API_TOKEN`` pointed at it.
+- Every ``unbroken ...`` and ``python manage.py ...`` line of a shell or CI sample is accepted by that
+  command's own parser, every ``pip install ./...`` names a project and extras that exist, every ``make``
+  target named exists, and the shell-completion lines print a script.
 - The Level-2 sketch makes its SDK calls as ``fsdp_level2.py`` does; every JSON spec sample (the docs'
   and deploy/README.md's) is accepted by the spec's validator.
 """
@@ -16,6 +19,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -104,8 +108,8 @@ def _curl_commands() -> list[tuple[Path, str]]:
 
 def test_it_finds_the_curl_examples():
     pages = {p.relative_to(ROOT).as_posix() for p, _ in _curl_commands()}
-    assert {"docs/getting-started.md", "docs/guides/your-own-script.md",
-            "docs/reference/operator-api.md"} <= pages
+    assert {"docs/getting-started.md", "docs/guides/your-own-script.md", "docs/guides/resilience-report.md",
+            "docs/reference/cli.md", "docs/reference/operator-api.md"} <= pages
 
 
 @pytest.mark.django_db(transaction=True)
@@ -115,19 +119,26 @@ def test_it_runs_every_curl_example_against_the_server(live_server):
         pytest.skip("curl is missing: apt-get install -y curl")
     from django.contrib.auth.models import Group, User
 
+    from controlplane.api.tokens import mint_api_token
     from controlplane.jobs.models import Job
     from controlplane.jobs.roles import OPERATORS_GROUP
 
     password = "docs-example-password"
-    User.objects.create_user("operator", password=password).groups.add(
-        Group.objects.get_or_create(name=OPERATORS_GROUP)[0])
+    operator = User.objects.create_user("operator", password=password)
+    operator.groups.add(Group.objects.get_or_create(name=OPERATORS_GROUP)[0])
+    _, token = mint_api_token(user=operator, name="docs", requested_by=None)
+    env = {**os.environ, "PASS": password, "UNBROKEN_API_TOKEN": token}
     job_id = None
     for page, command in _curl_commands():
         if job_id is not None:
-            command = command.replace(f"{DOCS_URL}/api/v1/jobs/1", f"{DOCS_URL}/api/v1/jobs/{job_id}")
+            command = re.sub(rf"{re.escape(DOCS_URL)}/api/v1/jobs/1\b", f"{DOCS_URL}/api/v1/jobs/{job_id}",
+                             command)
         assert DOCS_URL in command, f"{page}: {command} (examples use {DOCS_URL})"
-        run = subprocess.run(["bash", "-c", command.replace(DOCS_URL, live_server.url)], capture_output=True,
-                             text=True, timeout=60, env={**os.environ, "PASS": password})
+        assert "-u operator:$PASS" in command or "Bearer $UNBROKEN_API_TOKEN" in command, (
+            f"{page}: {command} (examples sign in as operator:$PASS or with $UNBROKEN_API_TOKEN)")
+        # --fail: an example the server answers with an error fails here, whatever flags it shows.
+        run = subprocess.run(["bash", "-c", "curl --fail " + command.replace(DOCS_URL, live_server.url)[5:]],
+                             capture_output=True, text=True, timeout=60, env=env)
         assert run.returncode == 0, f"{page}: {command}\n{run.stdout}\n{run.stderr}"
         body = json.loads(run.stdout)
         if "/api/v1/jobs -d" in command and job_id is None:
@@ -195,3 +206,79 @@ def test_it_accepts_every_spec_sample_of_the_docs():
         if "kubernetes" in data:
             data = {"backend": "kubernetes", **data}
         JobSpec.from_dict(data)  # a SpecError names the field the sample gets wrong
+
+
+def _shell_lines() -> list[tuple[Path, str]]:
+    """The ``unbroken``, ``manage.py`` and ``pip install`` commands of the shell and CI samples (bash, sh,
+    yaml; the README's, the docs' and deploy/README.md's): continued lines joined, comments dropped,
+    ``a && b`` and ``a; b`` split, a YAML step's ``run:`` taken."""
+    fence = re.compile(r"^ *```(?:bash|sh|yaml)\n(.*?)^ *```", re.S | re.M)
+    out = []
+    for page in [*PAGES, ROOT / "deploy" / "README.md"]:
+        for m in fence.finditer(page.read_text()):
+            text = re.sub(r"\\\n\s*", " ", m.group(1))
+            for line in text.splitlines():
+                line = re.sub(r"(^|\s)#.*$", "", line.strip())
+                line = re.sub(r"^-?\s*run:\s*", "", line)
+                out.extend((page, part.strip()) for part in re.split(r"&&|; | \| ", line)
+                           if part.strip().startswith(("unbroken ", "python manage.py ", "python3 manage.py ",
+                                                       "pip install ")))
+    return out
+
+
+def test_it_parses_every_unbroken_and_manage_py_command_of_the_samples():
+    """Every ``unbroken ...`` and ``python manage.py ...`` line of a sample is accepted by that command's own
+    parser (options, choices, required arguments), and every ``make`` target named anywhere exists."""
+    import shlex
+
+    import click
+    from django.core.management import get_commands, load_command_class
+
+    from tests.docs.test_reference import _gen_reference
+
+    cli = _gen_reference()._cli_group()  # the console script's group, found as the docs build finds it
+    lines = _shell_lines()
+    seen = set()
+    for page, line in lines:
+        words = shlex.split(line)
+        if words[:1] == ["unbroken"] and len(words) > 1:
+            name = words[1]
+            cmd = cli.get_command(click.Context(cli), name)
+            assert cmd is not None, f"{page.name}: {line}: no command {name!r}"
+            try:
+                cmd.make_context(name, words[2:], parent=click.Context(cli, info_name="unbroken"))
+            except click.ClickException as e:
+                pytest.fail(f"{page.name}: {line}: {e.format_message()}")
+            seen.add("unbroken")
+        elif words[:2] in (["python", "manage.py"], ["python3", "manage.py"]) and len(words) > 2:
+            name = words[2]
+            app = get_commands().get(name)
+            assert app, f"{page.name}: {line}: no management command {name!r}"
+            if app.startswith("controlplane"):
+                load_command_class(app, name).create_parser("manage.py", name).parse_args(words[3:])
+            seen.add("manage.py")
+        elif words[:2] == ["pip", "install"]:
+            import tomllib
+
+            for target in (w for w in words[2:] if w.startswith("./")):
+                path, _, extras = target.partition("[")
+                project = tomllib.loads((ROOT / path / "pyproject.toml").read_text())["project"]
+                for extra in filter(None, extras.rstrip("]").split(",")):
+                    extras_declared = project.get("optional-dependencies", {})
+                    assert extra in extras_declared, f"{page.name}: {line}: no [{extra}]"
+                seen.add("pip")
+    assert seen == {"unbroken", "manage.py", "pip"}, seen
+    targets = set(re.findall(r"^([a-z][a-z0-9-]*):", (ROOT / "Makefile").read_text(), re.M))
+    named = {(page.name, t) for page in [*PAGES, ROOT / "deploy" / "README.md"]
+             for t in re.findall(r"(?:`|^ *)make ([a-z][a-z0-9-]*)(?=[`\s])", page.read_text(), re.M)}
+    unknown = sorted((where, t) for where, t in named if t not in targets)
+    assert not unknown, f"make targets the docs name that the Makefile lacks: {unknown}"
+
+
+@pytest.mark.parametrize("shell", ["bash", "zsh", "fish"])
+def test_it_prints_the_shell_completion_the_cli_page_shows(shell):
+    page = (ROOT / "docs" / "reference" / "cli.md").read_text()
+    assert f"_UNBROKEN_COMPLETE={shell}_source unbroken" in page
+    run = subprocess.run([sys.executable, "-c", "from trainer.cli import main; main()"], capture_output=True,
+                         text=True, timeout=60, env={**os.environ, "_UNBROKEN_COMPLETE": f"{shell}_source"})
+    assert run.returncode == 0 and "_UNBROKEN_COMPLETE" in run.stdout, run.stderr

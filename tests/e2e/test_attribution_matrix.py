@@ -27,6 +27,7 @@ from controlplane.jobs.spec import JobSpec
 from controlplane.launchers.local import LocalLauncher
 from controlplane.launchers.services import supervise_all
 from tests.e2e.matrix.cells import CELL_IDS, CELLS, WORLD
+from tests.helpers import end_job
 from trainer.wire import FaultClass
 
 pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
@@ -84,8 +85,7 @@ def run_cell(tmp_path: Path, level: int, failure: str, rank: int, *, timeout_s: 
                 break
             time.sleep(0.1)
     finally:
-        job.refresh_from_db()
-        LocalLauncher().stop(job, grace_s=2.0)
+        end_job(job)
     injected_at = float(mark.read_text().split()[0]) if mark.exists() else None
     if failure == "import":  # nothing fires it: the fault's own time stands in for the injection's
         first = Fault.objects.filter(job=job).order_by("at").values_list("at", flat=True).first()

@@ -22,8 +22,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests" / "bench"))
 
-from bench_chaos import health, wait_for  # noqa: E402
 from trainer.ports import free_port  # noqa: E402
+
+from bench_chaos import health, wait_for  # noqa: E402
 
 pytestmark = pytest.mark.slow
 RUN_S = float(os.environ.get("UNBROKEN_TEST_CADENCE_S", "180"))

@@ -10,8 +10,8 @@ from controlplane.jobs.models import Event, Job, JobStatus
 from controlplane.jobs.spec import Drill, JobSpec
 from controlplane.launchers.local import LocalLauncher, launch_tag
 from controlplane.launchers.services import supervise_all
-from tests.helpers import wait_for
-from trainer.policy import parse_rules
+from tests.helpers import end_job, wait_for
+from trainer.policy_rules import parse_rules
 from trainer.wire import EventKind
 
 pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
@@ -67,8 +67,7 @@ def _log(job: Job) -> str:
 
 
 def _cleanup(job: Job) -> None:
-    job.refresh_from_db()
-    LocalLauncher().stop(job, grace_s=2.0)
+    end_job(job)
 
 
 def _decisions(job: Job) -> list[tuple]:

@@ -10,7 +10,7 @@ from controlplane.jobs.spec import Drill, JobSpec
 from controlplane.jobs.versions import runtime_versions
 from controlplane.launchers.local import launch_tag
 from controlplane.launchers.services import supervise_all
-from tests.helpers import tagged_processes, wait_for
+from tests.helpers import end_job, tagged_processes, wait_for
 from trainer import nvrx_compat
 from trainer.wire import CheckpointState, FaultClass, Layer
 
@@ -153,7 +153,4 @@ def _log(job: Job) -> str:
 
 
 def _cleanup(job: Job) -> None:
-    from controlplane.launchers.local import LocalLauncher
-
-    job.refresh_from_db()
-    LocalLauncher().stop(job, grace_s=2.0)
+    end_job(job)

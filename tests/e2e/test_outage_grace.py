@@ -20,8 +20,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests" / "bench"))
 
-from bench_chaos import Api, health, wait_for  # noqa: E402
 from trainer.ports import free_port  # noqa: E402
+
+from bench_chaos import Api, health, wait_for  # noqa: E402
 
 pytestmark = pytest.mark.slow
 STEP_TIMEOUT_S = 5.0

@@ -13,10 +13,9 @@ from django.test import Client
 from controlplane.jobs import drill_plan, services
 from controlplane.jobs.models import Job, JobStatus
 from controlplane.jobs.spec import DEMO_SPEC, JobSpec
-from controlplane.launchers.local import LocalLauncher
 from controlplane.launchers.services import supervise_all
 from tests.controlplane.api.report_checks import assert_report_matches_api
-from tests.helpers import wait_for
+from tests.helpers import end_job, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 EXAMPLES = Path(__file__).resolve().parents[2] / "trainer" / "examples"
@@ -35,8 +34,7 @@ def _check(source: Job, timeout_s: float) -> tuple[Job, dict]:
     try:
         wait_for(done, timeout_s=timeout_s, what=f"resilience check {run.pk} to finish")
     finally:
-        run.refresh_from_db()
-        LocalLauncher().stop(run, grace_s=2.0)
+        end_job(run)
     c = Client()
     c.force_login(user)
     report = assert_report_matches_api(lambda url: c.get(url).json(), run.pk)

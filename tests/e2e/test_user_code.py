@@ -8,12 +8,21 @@ from pathlib import Path
 import pytest
 
 from controlplane.jobs import services
-from controlplane.jobs.models import (Checkpoint, Command, CommandStatus, Event, Fault, Job, JobStatus, Rank,
-                                      RestartCycle)
+from controlplane.jobs.models import (
+    Checkpoint,
+    Command,
+    CommandStatus,
+    Event,
+    Fault,
+    Job,
+    JobStatus,
+    Rank,
+    RestartCycle,
+)
 from controlplane.jobs.spec import Drill, JobSpec
 from controlplane.launchers.local import LocalLauncher, launch_tag
 from controlplane.launchers.services import supervise_all
-from tests.helpers import tagged_processes, wait_for
+from tests.helpers import end_job, tagged_processes, wait_for
 from trainer.wire import CheckpointState, EventKind, FaultClass, Layer
 
 pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
@@ -44,8 +53,7 @@ def _log(job: Job) -> str:
 
 
 def _cleanup(job: Job) -> None:
-    job.refresh_from_db()
-    LocalLauncher().stop(job, grace_s=2.0)
+    end_job(job)
 
 
 def _faults(job: Job) -> list:

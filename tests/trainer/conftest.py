@@ -43,7 +43,7 @@ class Receiver:
         recv = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802
+            def do_POST(self) -> None:
                 body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
                 if recv.delay_s:
                     time.sleep(recv.delay_s)

@@ -8,7 +8,7 @@ import subprocess
 import pytest
 
 from tests.trainer.conftest import PYTHON, ROOT, Receiver, child_env
-from trainer.checkpoint import COMMITTED, latest_durable, list_checkpoints, step_dir
+from trainer.checkpoint_layout import COMMITTED, latest_durable, list_checkpoints, step_dir
 
 
 def make_ckpt(root, step, *, metadata=True, committed=True):
@@ -110,14 +110,14 @@ def test_it_restores_from_the_memory_snapshot_only_when_it_is_complete_and_newes
 
     # A new attempt: a fresh model and optimizer (another seed: other weights) take the snapshot's state.
     state2, model2, opt2 = _app(1)
-    assert any(not a.equal(b) for a, b in zip(saved, _weights(model2)))
+    assert any(not a.equal(b) for a, b in zip(saved, _weights(model2), strict=True))
     ck2 = Checkpointer(root=str(tmp_path), mode=CheckpointMode.ASYNC, keep=2, pg=one_rank_world,
                        report=lambda *a, **k: None, memory=memory)
     assert ck2.load(state2) == 5 and ck2.restored_from == "memory"
-    assert all(a.equal(b) for a, b in zip(saved, _weights(model2)))
+    assert all(a.equal(b) for a, b in zip(saved, _weights(model2), strict=True))
     snap_model = memory.get()[1]["app"]["model"]
     assert all(v.to_local().data_ptr() != p.to_local().data_ptr()  # a copy, not the live tensors
-               for v, p in zip(snap_model.values(), model2.parameters()))
+               for v, p in zip(snap_model.values(), model2.parameters(), strict=True))
 
     ck2.save(state2, 7, mode=CheckpointMode.SYNC)  # durable 7 is newer than the snapshot (5): the disk wins
     assert ck2.load(_app(2)[0]) == 7 and ck2.restored_from == "disk"
@@ -155,10 +155,10 @@ def test_new_processes_restore_from_the_node_local_copy_only_when_it_is_complete
         return c, st, m, o
 
     ck2, state2, model2, opt2 = new_process(1)
-    assert any(not a.equal(b) for a, b in zip(saved, _weights(model2)))
+    assert any(not a.equal(b) for a, b in zip(saved, _weights(model2), strict=True))
     assert ck2.load(state2) == 5 and ck2.restored_from == "local"
-    assert all(a.equal(b) for a, b in zip(saved, _weights(model2)))
-    assert all(a.equal(b) for a, b in zip(saved_opt, _optim_state(opt2)))
+    assert all(a.equal(b) for a, b in zip(saved, _weights(model2), strict=True))
+    assert all(a.equal(b) for a, b in zip(saved_opt, _optim_state(opt2), strict=True))
 
     ck2.save(state2, 7, mode=CheckpointMode.SYNC)  # a durable checkpoint newer than the copy: the disk wins
     ck3, state3, _, _ = new_process(2)
@@ -290,7 +290,7 @@ def test_its_shards_skip_the_zip_checksum_that_torch_load_never_checks_and_still
     state2, model2, _ = _app(1)
     assert Checkpointer(root=str(tmp_path), mode=CheckpointMode.ASYNC, keep=2, pg=one_rank_world,
                         report=lambda *a, **k: None).load(state2) == 4
-    assert all(a.equal(b) for a, b in zip(saved, _weights(model2)))
+    assert all(a.equal(b) for a, b in zip(saved, _weights(model2), strict=True))
     ck.close()
     # The switch is set only around the write: the training thread's own torch.save keeps its checksums.
     buf = io.BytesIO()
@@ -319,3 +319,69 @@ def test_a_save_after_a_restart_aborted_the_process_group_writes_nothing_durable
         ck.save(state, 80, mode=CheckpointMode.ASYNC)
     assert latest_durable(str(tmp_path)) is None and list_checkpoints(str(tmp_path)) == []
     assert "checkpoint of step 80 not saved: the process group is gone" in caplog.text
+
+
+def test_an_async_save_whose_write_starts_after_the_abort_writes_nothing(tmp_path):
+    """DCP's async executor runs the save in its own thread once staging ends: when a restart's abort
+    destroyed the process groups in between, it must fail, not save as a single process (rank 0's
+    .metadata naming only its shards, made durable: the demo's restarts then failed with
+    'Missing key in checkpoint state_dict: app.rng/rank1' until the restart storm stopped the job)."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from trainer.checkpoint import _Writer
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        state, _, _ = _app(0)
+        pg = dist.new_group(backend="gloo")
+    finally:
+        dist.destroy_process_group()  # the abort, between the save's call and its executor's start
+    path = tmp_path / "step_000000300"
+    # What DCP's thread executor calls once the staged copy is ready (async_save's default no_dist).
+    with pytest.raises(CheckpointException) as failed:
+        dcp.save({"app": state}, checkpoint_id=str(path), storage_writer=_Writer(str(path)), process_group=pg)
+    assert "the process group is gone" in repr(failed.value.failures)
+    assert not (path / ".metadata").exists() and not list(path.glob("*.distcp"))
+
+
+def test_a_durable_checkpoint_that_cannot_be_loaded_is_set_aside_for_the_newest_that_can(tmp_path, one_rank_world):
+    """A checkpoint made durable but unloadable (here its shard is gone) would fail every restore until the
+    restart storm stopped the job: the restore takes the newest older one that loads instead, sets the bad one
+    aside and reports it. When none loads, the failure is raised and nothing is set aside."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from trainer.checkpoint import Checkpointer
+    from trainer.nvrx_compat import ITERATION_FILE
+    from trainer.wire import CheckpointMode
+
+    events = []
+    state, model, _ = _app(0)
+    ck = Checkpointer(root=str(tmp_path), mode=CheckpointMode.SYNC, keep=3, pg=one_rank_world,
+                      report=lambda kind, data: events.append(data))
+    ck.save(state, 20)
+    at_20 = _weights(model)
+    model(__import__("torch").randn(3, 8)).sum().backward()
+    state.optim.step()
+    ck.save(state, 40)
+    for shard in (tmp_path / "step_000000040").glob("*.distcp"):
+        shard.unlink()
+
+    fresh, model2, _ = _app(1)
+    assert ck.load(fresh) == 20 and ck.restored_from == "disk"
+    assert all(a.equal(b) for a, b in zip(at_20, _weights(model2), strict=True))
+    assert [(s, d) for s, _, d in list_checkpoints(str(tmp_path))] == [(20, True)]
+    aside = [p.name for p in tmp_path.iterdir() if p.name.startswith("step_000000040.unloadable-")]
+    assert len(aside) == 1, list(tmp_path.iterdir())
+    assert (tmp_path / ITERATION_FILE).read_text().strip() == "20"
+    failed = [e for e in events if e["state"] == "failed"]
+    assert len(failed) == 1 and failed[0]["step"] == 40 and failed[0]["attempt_key"].startswith("unloadable-")
+    assert f"set aside as {aside[0]}; restored step 20 instead: rank 0: " in failed[0]["detail"]
+
+    # None loads: the newest one's failure, and nothing set aside.
+    for shard in (tmp_path / "step_000000020").glob("*.distcp"):
+        shard.unlink()
+    with pytest.raises(CheckpointException):
+        ck.load(_app(2)[0])
+    assert [(s, d) for s, _, d in list_checkpoints(str(tmp_path))] == [(20, True)]

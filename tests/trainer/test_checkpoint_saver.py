@@ -8,7 +8,7 @@ import psutil
 import pytest
 
 from tests.trainer.conftest import PYTHON, ROOT, child_env
-from trainer.checkpoint import saver_process_available
+from trainer.checkpoint_saver import saver_process_available
 
 pytestmark = pytest.mark.skipif(not saver_process_available(), reason="this torch has no process-based DCP saver")
 
@@ -20,7 +20,8 @@ with open(os.environ["MARK"], "a") as f:
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
-from trainer.checkpoint import Checkpointer, latest_durable
+from trainer.checkpoint import Checkpointer
+from trainer.checkpoint_layout import latest_durable
 from trainer.fullrun import _AppState
 from trainer.wire import CheckpointMode
 import torch.distributed.checkpoint._async_process_executor as ape
@@ -83,7 +84,7 @@ def one_rank_world(monkeypatch):
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     yield dist.new_group(backend="gloo")
-    from trainer.checkpoint import stop_saver
+    from trainer.checkpoint_saver import stop_saver
 
     stop_saver()
     dist.destroy_process_group()
@@ -91,7 +92,9 @@ def one_rank_world(monkeypatch):
 
 def test_a_dead_saver_fails_the_save_and_the_next_attempt_starts_a_new_one(tmp_path, one_rank_world):
     from tests.trainer.test_checkpoint import _app, _weights
-    from trainer.checkpoint import Checkpointer, latest_durable, stop_saver
+    from trainer.checkpoint import Checkpointer
+    from trainer.checkpoint_layout import latest_durable
+    from trainer.checkpoint_saver import stop_saver
     from trainer.wire import CheckpointMode
 
     state, model, _ = _app(0)
@@ -106,7 +109,7 @@ def test_a_dead_saver_fails_the_save_and_the_next_attempt_starts_a_new_one(tmp_p
     state2, model2, _ = _app(1)
     ck2 = Checkpointer(root=str(tmp_path), mode=CheckpointMode.ASYNC, keep=2, pg=one_rank_world,
                        report=lambda *a: None, saver=True)
-    assert ck2.load(state2) == 5 and all(a.equal(b) for a, b in zip(_weights(model), _weights(model2)))
+    assert ck2.load(state2) == 5 and all(a.equal(b) for a, b in zip(_weights(model), _weights(model2), strict=True))
     ck2.save(state2, 15)
     ck2.wait()
     assert latest_durable(str(tmp_path)) == 15

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from trainer import nvrx_compat
-from trainer.checkpoint import write_iteration_file
+from trainer.checkpoint_layout import write_iteration_file
 from trainer.launch import launcher_args, parse
 
 pytestmark = pytest.mark.nvrx

@@ -57,10 +57,10 @@ class Scope:
 
 
 def test_progress_pings_follow_the_loops_progress_and_stop_between_attempts():
-    from trainer.resilience import PacedPing
+    from trainer.liveness import Pacer
 
-    pacer, scope = PacedPing(period_s=0.05), Scope()
-    pacer.arm(scope)
+    pacer, scope = Pacer(period_s=0.05), Scope()
+    pacer.arm(scope.ping)
     try:
         for _ in range(10):  # a loop making progress: pinged about every period
             pacer.tick()
@@ -75,10 +75,36 @@ def test_progress_pings_follow_the_loops_progress_and_stop_between_attempts():
         time.sleep(0.2)
         assert len(scope.pings) == hung
         fresh = Scope()  # the next attempt's scope gets the pings
-        pacer.arm(fresh)
+        pacer.arm(fresh.ping)
         pacer.tick()
         time.sleep(0.2)
         assert len(fresh.pings) == 1 and len(scope.pings) == hung
+    finally:
+        pacer.stop()
+
+
+def test_a_stopped_pacer_armed_again_sends_again():
+    """An in-process restart's finalize stops the ft_launcher heartbeats and the next attempt starts them:
+    they must flow again, or ft_launcher's heartbeat timeout no longer sees a hang after the first
+    in-process restart."""
+    from trainer.liveness import Pacer
+
+    pacer, first, second = Pacer(period_s=0.05), Scope(), Scope()
+    pacer.arm(first.ping)
+    try:
+        pacer.tick()
+        time.sleep(0.2)
+        assert len(first.pings) == 1
+        pacer.stop()
+        pacer.tick()
+        time.sleep(0.2)
+        assert len(first.pings) == 1  # stopped: nothing sent
+        pacer.arm(second.ping)
+        for _ in range(4):
+            pacer.tick()
+            time.sleep(0.08)
+        assert len(second.pings) >= 2 and len(first.pings) == 1, (first.pings, second.pings)
+        assert sum(t.name == "unbroken-pacer" for t in threading.enumerate()) == 1  # the old thread ended
     finally:
         pacer.stop()
 
@@ -169,7 +195,7 @@ class WatchedScope(Scope):
 
 
 def test_progress_marks_write_the_time_of_the_loops_progress_for_nvrxs_watchdog_to_send():
-    from trainer.resilience import NoRestart, ProgressMark
+    from trainer.liveness import NoRestart, ProgressMark
 
     mark, scope = ProgressMark(fallback_period_s=0.05), WatchedScope()
     try:

@@ -103,3 +103,42 @@ def test_a_level2_phase_is_in_the_ranks_heartbeats(tmp_path, receiver):
     i_eval, i_two = after_first.index((1, "eval")), after_first.index((2, "train"))
     assert i_eval < i_two and "train" in phases[i_eval:i_two], beats  # the phase ends before step 2
     assert after_first.index((2, "checkpoint_save")) < after_first.index((3, "train")), beats
+
+
+LEVEL2_LONG_EVAL = textwrap.dedent("""\
+    import time
+
+    import unbroken
+
+
+    @unbroken.entrypoint
+    def train(ctx: unbroken.Context):
+        ctx.init_process_group()
+        ctx.step(1, loss=0.5)
+        # 7 s of batches: past the in-process layer's soft (3 s) and hard (6 s) timeouts. Short calls: one
+        # 7 s C call would stall NVRx's own main-thread probe, which no phase can feed.
+        with ctx.phase("eval"):
+            for _ in range(70):
+                time.sleep(0.1)
+        ctx.step(2, loss=0.25)
+        print("ITERATION", ctx.iteration, flush=True)
+
+
+    if __name__ == "__main__":
+        train()
+""")
+
+
+def test_a_slow_phase_longer_than_the_in_process_timeouts_is_not_taken_for_a_hang(tmp_path, receiver):
+    """An evaluation of 7 s under in-process restart with a 3 s soft and 6 s hard timeout: the phase keeps the
+    in-process layer hearing from the rank (up to the checkpoint timeout), so no fault and no restart."""
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "train.py").write_text(LEVEL2_LONG_EVAL)
+    r = launch(tmp_path / "run", trainer_flags=["--soft-timeout", "3", "--hard-timeout", "6",
+                                                "--step-timeout", "20"],
+               nproc=1, in_job=False, entrypoint=str(work / "train.py"), report_url=receiver.url,
+               report_interval=0.2, timeout_s=180)
+    assert r.rc == 0, r.log[-3000:]
+    assert "ITERATION 0" in r.log, r.log[-3000:]  # never restarted in-process
+    assert not [e for e in receiver.events() if e.get("kind") == "fault"], receiver.events()

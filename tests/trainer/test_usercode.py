@@ -10,8 +10,8 @@ import pytest
 
 import unbroken
 from trainer.launch import check_entrypoint, launcher_args, parse
+from trainer.progress_lines import parse_progress
 from trainer.shim import split_argv
-from trainer.usercode import parse_progress
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "trainer" / "examples"

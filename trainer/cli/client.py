@@ -7,7 +7,7 @@ from typing import Any
 import click
 import httpx2
 
-from trainer.cli.config import Credentials
+from trainer.cli.credentials import Credentials
 
 API = "/api/v1"
 # Exit codes (docs/reference/cli.md): 1 the job failed or was stopped; 2 bad input (usage, a refused spec);

@@ -13,7 +13,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from trainer.cli import config
+from trainer.cli import credentials
 from trainer.cli.client import EXIT_INPUT, EXIT_JOB_FAILED, EXIT_SERVER, ApiError, Client
 from trainer.cli.follow import FINAL, Bar, Follower
 from trainer.wire import DrillFault, Layer
@@ -30,7 +30,7 @@ err = Console(stderr=True, highlight=False)
 
 
 def _client() -> Client:
-    return Client(config.load())
+    return Client(credentials.load())
 
 
 def _json(obj) -> None:
@@ -74,7 +74,7 @@ def cli() -> None:
               help="read the token from standard input (scripts) instead of a prompt")
 def login(url: str, token_stdin: bool) -> None:
     """Store URL and an API token (from your user menu's "API tokens" page) for later commands."""
-    url = config.normalise_url(url)
+    url = credentials.normalise_url(url)
     if token_stdin:
         token = sys.stdin.readline().strip()
     else:
@@ -82,13 +82,13 @@ def login(url: str, token_stdin: bool) -> None:
                              hide_input=True).strip()
     if not token:
         raise click.UsageError("no token given")
-    creds = config.Credentials(url=url, token=token)
+    creds = credentials.Credentials(url=url, token=token)
     client = Client(creds)
     try:
         client.get("/jobs", limit=1)
     finally:
         client.close()
-    path = config.store(creds)
+    path = credentials.store(creds)
     console.print(f"Logged in to {escape(url)}; the token is stored in {escape(str(path))} (mode 0600).")
 
 

@@ -10,13 +10,14 @@ import argparse
 import os
 
 import torch
-import unbroken  # unbroken
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.fsdp import fully_shard
+
+import unbroken  # unbroken
 
 
 def build_model(vocab: int, d: int) -> nn.Module:

@@ -49,10 +49,9 @@ if __name__ != "unbroken":  # one module, one name: two would be two copies with
     raise ImportError(f"the SDK is imported as `import unbroken`, not `import {__name__}`")
 
 import contextlib
+import functools
 import os
 import warnings
-
-import functools
 from collections.abc import Callable
 from typing import Any
 

@@ -3,7 +3,7 @@ from django import template
 from django.utils.html import format_html
 from django.utils.safestring import mark_safe
 
-from controlplane.dashboard.charts import fmt_s
+from controlplane.dashboard.words import fmt_s
 from controlplane.jobs.roles import is_operator as _is_operator
 
 register = template.Library()

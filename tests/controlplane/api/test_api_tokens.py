@@ -5,27 +5,13 @@ import io
 import json
 
 import pytest
-from django.contrib.auth.models import Group, User
 from django.core.management import call_command
 from django.core.management.base import CommandError
 
 from controlplane.api.models import ApiToken, digest_of
 from controlplane.jobs.models import AuditEntry, Job
-from controlplane.jobs.roles import OPERATORS_GROUP
 
 pytestmark = pytest.mark.django_db
-
-
-@pytest.fixture()
-def operator():
-    user = User.objects.create_user("op", password="correct horse battery")
-    user.groups.add(Group.objects.get_or_create(name=OPERATORS_GROUP)[0])
-    return user
-
-
-@pytest.fixture()
-def viewer():
-    return User.objects.create_user("viewer", password="correct horse battery")
 
 
 def _bearer(token):

@@ -170,7 +170,7 @@ def test_an_operators_restart_has_a_row_and_a_hoverable_breakdown(client, post):
     from django.urls import reverse
     from django.utils import timezone
 
-    from controlplane.dashboard import sections
+    from controlplane.dashboard.parts import timeline_part
 
     operator = User.objects.create_user("op", is_superuser=True)
     job, token = make_job(spec={"procs_per_node": 2, "steps": 10_000}, name="operator-restart",
@@ -181,7 +181,7 @@ def test_an_operators_restart_has_a_row_and_a_hoverable_breakdown(client, post):
     (fetched,) = trainer.beat(1)
     trainer.carry_out(fetched)
     job = Job.objects.get(pk=job.pk)
-    fig = sections.timeline_part(job, timezone.now())["figure"]
+    fig = timeline_part.timeline_part(job, timezone.now())["figure"]
     commands = [t for t in fig["data"] if t["name"] == "operator command"]
     assert commands == []  # the restart's own marker stands for it: nothing on top of it takes its hover
     (restart,) = [t for t in fig["data"] if t["name"].startswith("restart ·")]

@@ -4,54 +4,18 @@ validated against the served OpenAPI document (``conforms``)."""
 
 from __future__ import annotations
 
-import base64
-
 import pytest
-from django.contrib.auth.models import Group, User
 
-from controlplane.jobs.roles import OPERATORS_GROUP
 from tests.controlplane.api import drill
 from tests.controlplane.api.conformance import conforms
+from tests.controlplane.api.logins import DOC, basic
 
 pytestmark = pytest.mark.django_db
-PASSWORD = "correct horse battery"
-DOC = "/api/v1/operator/openapi.json"
-
-
-@pytest.fixture()
-def operator():
-    user = User.objects.create_user("op", password=PASSWORD)
-    user.groups.add(Group.objects.get_or_create(name=OPERATORS_GROUP)[0])
-    return user
-
-
-@pytest.fixture()
-def viewer():
-    return User.objects.create_user("viewer", password=PASSWORD)
 
 
 @pytest.fixture()
 def job(post, settle, operator):
     return drill.build(post, settle, user=operator)
-
-
-@pytest.fixture()
-def api(client, viewer):
-    """GET as a signed-in viewer (session); every answer is checked against the document."""
-    client.force_login(viewer)
-    doc = client.get(DOC).json()
-
-    def get(url, want=200, **params):
-        r = client.get(url, params)
-        assert r.status_code == want, r.content
-        conforms(doc, "get", url, r)
-        return r.json()
-
-    return get
-
-
-def _basic(username):
-    return {"HTTP_AUTHORIZATION": "Basic " + base64.b64encode(f"{username}:{PASSWORD}".encode()).decode()}
 
 
 def test_it_shows_the_job_with_a_summary_and_links(api, job):
@@ -224,10 +188,10 @@ def test_it_refuses_anonymous_readers_everywhere(client, job):
 
 def test_it_lets_a_viewer_read_over_basic_but_not_act(client, viewer, job):
     doc = client.get(DOC).json()
-    r = client.get(f"/api/v1/jobs/{job.pk}/faults", **_basic("viewer"))
+    r = client.get(f"/api/v1/jobs/{job.pk}/faults", **basic("viewer"))
     assert r.status_code == 200 and len(r.json()["faults"]) == 2
     url = f"/api/v1/jobs/{job.pk}/commands"
-    r = client.post(url, {"kind": "stop"}, content_type="application/json", **_basic("viewer"))
+    r = client.post(url, {"kind": "stop"}, content_type="application/json", **basic("viewer"))
     assert r.status_code == 403 and "operators" in r.json()["error"]
     conforms(doc, "post", url, r)
 

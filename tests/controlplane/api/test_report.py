@@ -8,34 +8,14 @@ import time
 from datetime import timedelta
 
 import pytest
-from django.contrib.auth.models import User
 
 from controlplane.jobs.models import Checkpoint, Fault, RestartCycle, TrainingSample
 from controlplane.jobs.resilience_report import build_report
 from tests.controlplane.api import drill
-from tests.controlplane.api.conformance import conforms
+from tests.controlplane.api.logins import DOC
 from tests.controlplane.api.report_checks import assert_report_matches_api, nearest
 
 pytestmark = pytest.mark.django_db
-DOC = "/api/v1/operator/openapi.json"
-
-
-@pytest.fixture()
-def api(client):
-    user = User.objects.create_user("viewer", password="x")
-    client.force_login(user)
-    doc = client.get(DOC).json()
-
-    def get(url, want=200, **params):
-        r = client.get(url, params)
-        assert r.status_code == want, r.content
-        conforms(doc, "get", url, r)
-        return r.json()
-
-    get.user = user
-    return get
-
-
 
 
 def test_it_equals_the_apis_cycles_and_faults(api, post, settle):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from django.contrib.auth.models import User
 
-from controlplane.dashboard import charts
+from controlplane.dashboard import words
 from tests.controlplane.api import drill
 
 pytestmark = pytest.mark.django_db
@@ -43,9 +43,9 @@ def test_it_shows_the_pages_fault_table(pages):
     for row in rows:
         f = by_id[row["f"].pk]
         assert row["lost"] == f["lost_steps"]
-        assert row["detection"] == charts.fmt_s(f["detection_s"])
-        assert row["recovery"] == charts.fmt_s(f["recovery_s"])
-        assert row["layer"] == charts.LAYER_NAMES[f["layer"]]
+        assert row["detection"] == words.fmt_s(f["detection_s"])
+        assert row["recovery"] == words.fmt_s(f["recovery_s"])
+        assert row["layer"] == words.LAYER_NAMES[f["layer"]]
     assert sorted(r["lost"] for r in rows) == [10, 20]
 
 
@@ -54,7 +54,7 @@ def test_it_shows_the_pages_cycles_and_checkpoints(pages):
     cycles = {c["key"]: c for c in api("/cycles")["cycles"]}
     for row in page["faults"]["rows"]:  # the fault table shows its cycle's recovery and steps lost
         c = cycles[row["f"].cycle.key]
-        assert (row["recovery"], row["lost"]) == (charts.fmt_s(c["recovery_s"]), c["lost_steps"])
+        assert (row["recovery"], row["lost"]) == (words.fmt_s(c["recovery_s"]), c["lost_steps"])
     ledger = api("/checkpoints")["checkpoints"]
     recent = page["ckpt"]["recent"]  # newest first
     assert [(r["step"], r["state"]) for r in recent] == [(c["step"], c["state"]) for c in reversed(ledger)]

@@ -1,4 +1,4 @@
-"""The job spec's reference rows (``trainer.jobspec.reference_rows``: what docs/reference/job-spec.md is made
+"""The job spec's reference rows (``trainer.spec_reference.reference_rows``: what docs/reference/job-spec.md is made
 of) and the operator API's OpenAPI document agree field by field: both come from the one type."""
 
 import json

@@ -11,8 +11,8 @@ from django.test import Client
 from django.urls import reverse
 from django.utils import timezone
 
-from controlplane.dashboard import sections
 from controlplane.dashboard.forms import JobForm
+from controlplane.dashboard.parts import timeline_part
 from controlplane.jobs import policy
 from controlplane.jobs.models import Event, Fault
 from controlplane.jobs.roles import OPERATORS_GROUP
@@ -88,7 +88,7 @@ def test_policy_decisions_are_markers_on_the_timeline():
     f = Fault.objects.create(job=job, fault_class="exception", rank=0, detected_by="trainer", at=timezone.now(),
                              source_key="e1")
     assert policy.apply_policies() == 0
-    fig = sections.timeline_part(job, timezone.now())
+    fig = timeline_part.timeline_part(job, timezone.now())
     trace = next(t for t in fig["figure"]["data"] if t.get("name") == "policy decision")
     assert trace["customdata"] == ["<b>exception on rank 0: in-process restart</b><br>default: in_process on, 10 left"]
     assert Event.objects.get(job=job, kind=policy.POLICY_EVENT).data["fault_id"] == f.pk

@@ -1,5 +1,5 @@
 """One fault, one story: the fault table, the timeline's marker and cycle hovers and the API show the
-same detection, recovery, steps lost and node, all from ``figures.fault_figures``."""
+same detection, recovery, steps lost and node, all from ``readouts.fault_figures``."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import pytest
 from django.urls import reverse
 from django.utils import timezone
 
-from controlplane.dashboard import sections
-from controlplane.jobs.figures import fault_figures
+from controlplane.dashboard.parts import timeline_part
+from controlplane.jobs.readouts import fault_figures
 
 from .factories import PASSWORD, make_cycle, make_fault, make_job, make_rank, make_user
 
@@ -45,7 +45,7 @@ def test_it_shows_one_detection_recovery_and_loss_everywhere(client):
     assert "215 ms" in row and "2.32 s" in row and ">20<" in row and ">vm<" in row
     assert "862 ms" not in table
 
-    tl = sections.timeline_part(job, now)
+    tl = timeline_part.timeline_part(job, now)
     hovers = [h for tr in tl["figure"]["data"] for h in (tr.get("customdata") or []) if isinstance(h, str)]
     marker = next(h for h in hovers if h.startswith("<b>fault: exception"))
     cycle = next(h for h in hovers if "in-process restart</b>" in h)

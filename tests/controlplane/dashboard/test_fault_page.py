@@ -1,5 +1,5 @@
 """The fault page and the API's fault: why a fault happened in one sentence, with its proof
-(controlplane/jobs/evidence.py), the sentence's numbers from figures.fault_figures."""
+(controlplane/jobs/evidence.py), the sentence's numbers from readouts.fault_figures."""
 
 from __future__ import annotations
 

@@ -9,7 +9,9 @@ import pytest
 from django.urls import reverse
 from django.utils import timezone
 
-from controlplane.dashboard import fleet, sections, timeline_figure
+from controlplane.dashboard import fleet
+from controlplane.dashboard.parts import rank_table, timeline_part
+from controlplane.dashboard.plots import downsample
 from controlplane.dashboard.timeline import DEAD, HUNG, RESTARTING, Span
 from controlplane.jobs.models import Event, Rank
 
@@ -25,7 +27,7 @@ def ticks(fig):
 def test_it_keeps_one_lane_per_rank_up_to_the_threshold():
     now = timezone.now()
     job = make_fleet_job(now, nodes=8)  # 64 ranks: the most that still get a lane each
-    fig = sections.timeline_part(job, now, follow=False)
+    fig = timeline_part.timeline_part(job, now, follow=False)
     assert fig["mode"] == "ranks" and len(ticks(fig["figure"])) == 65
 
 
@@ -36,7 +38,7 @@ def test_it_folds_a_large_job_into_node_lanes_with_faults_and_cycle_bands():
     at = now - timedelta(seconds=100)
     c = make_cycle(job, "a0-ij0-ip1", fault_at=at)
     make_fault(job, at=at, rank=8 * 40 + 3, cycle=c, fault_class="hang", node=node_name(40))
-    tl = sections.timeline_part(job, now, follow=True)
+    tl = timeline_part.timeline_part(job, now, follow=True)
     fig = tl["figure"]
     assert tl["mode"] == "nodes"
     assert ticks(fig) == ["job", node_name(7), node_name(40), "126 other nodes"]
@@ -59,7 +61,7 @@ def test_it_shows_at_most_the_readable_number_of_lanes_the_worst_first():
     for n in range(100):  # an exception on every node: a restarting span per rank
         make_fault(job, at=at, rank=8 * n, cycle=c, node=node_name(n), key=f"f{n}")
     silence(job, [8 * 99 + 5], now)  # and one rank of the last node is dead
-    fig = sections.timeline_part(job, now, follow=True)["figure"]
+    fig = timeline_part.timeline_part(job, now, follow=True)["figure"]
     names = ticks(fig)
     assert len(names) == fleet.MAX_RANK_LANES + 1  # the job lane, 63 nodes, the rest
     assert names[-1] == "37 other nodes"
@@ -75,7 +77,7 @@ def test_it_drills_down_to_one_nodes_ranks():
     c = make_cycle(job, "a0-ij0-ip1", fault_at=at)
     make_fault(job, at=at, rank=8 * 40 + 3, cycle=c, fault_class="hang", node=node_name(40), key="mine")
     make_fault(job, at=at, rank=8 * 41, cycle=c, fault_class="exception", node=node_name(41), key="other")
-    tl = sections.timeline_part(job, now, follow=True, node=node_name(40))
+    tl = timeline_part.timeline_part(job, now, follow=True, node=node_name(40))
     fig = tl["figure"]
     assert tl["mode"] == "node"
     assert ticks(fig) == ["job"] + [f"r{r} · {node_name(40)}" for r in range(320, 328)]
@@ -100,7 +102,7 @@ def test_it_draws_a_heatmap_of_heartbeat_age_by_node_and_local_rank():
     silence(job, [8 * 301 + 6], now, age_s=90.0)
     Rank.objects.filter(job=job, rank=8 * 599 + 7).update(last_heartbeat_at=None, phase="init", stale_at=None,
                                                          stall_at=None, node="")
-    part = sections.ranks_part(job, now, {})
+    part = rank_table.ranks_part(job, now, {})
     heat = part["heat"]
     trace = heat["chart"]["figure"]["data"][0]
     assert trace["type"] == "heatmap"
@@ -118,7 +120,7 @@ def test_a_node_of_very_many_ranks_bins_its_local_ranks_into_columns():
     now = timezone.now()
     job = make_fleet_job(now, nodes=1, per_node=1000)
     silence(job, [997], now, age_s=90.0)
-    heat = sections.ranks_part(job, now, {})["heat"]
+    heat = rank_table.ranks_part(job, now, {})["heat"]
     trace = heat["chart"]["figure"]["data"][0]
     assert (heat["rows"], heat["cols"], heat["ranks_per_col"]) == (1, 63, 16)  # 16 ranks a column
     assert len(trace["z"][0]) == 63 and trace["z"][0][997 // 16] >= 89
@@ -138,7 +140,7 @@ def test_it_lists_silent_ranks_then_the_slowest_first():
     Rank.objects.filter(job=job, rank=43).update(busy_s=0.6)
     Event.objects.create(job=job, event_id="s42", kind="straggler", rank=42, at=now - timedelta(seconds=10),
                          source="watchdog", data={"state": "marked", "slowdown_pct": 125.0})
-    worst = sections.ranks_part(job, now, {})["worst"]
+    worst = rank_table.ranks_part(job, now, {})["worst"]
     assert [(r["rank"], r["health"]) for r in worst[:6]] == [
         (3, "lost"), (17, "lost"), (9, "stalled"), (100, "waiting"), (42, "straggler"), (43, "ok")]
     assert worst[4]["slowdown_pct"] == 125.0
@@ -148,10 +150,10 @@ def test_it_lists_silent_ranks_then_the_slowest_first():
 def test_it_paginates_every_rank_and_filters_by_node():
     now = timezone.now()
     job = make_fleet_job(now, nodes=20)
-    page2 = sections.ranks_part(job, now, {"rpage": "2"})
+    page2 = rank_table.ranks_part(job, now, {"rpage": "2"})
     assert [r["rank"] for r in page2["rows"]] == list(range(25, 50))
     assert page2["page"].paginator.num_pages == 7
-    one = sections.ranks_part(job, now, {"rnode": node_name(3)})
+    one = rank_table.ranks_part(job, now, {"rnode": node_name(3)})
     assert [r["rank"] for r in one["rows"]] == list(range(24, 32))
 
 
@@ -174,9 +176,9 @@ def test_the_page_of_a_large_job_has_no_per_rank_markup():
 
 def test_binning_many_long_spans_still_picks_the_worst_phase_per_bin():
     spans = [Span(float(i), 1000.0, DEAD if i % 2 else RESTARTING, "other") for i in range(0, 900)]
-    out = timeline_figure.downsample_spans(spans, 0, 1000, max_spans=400, bins=100)
+    out = downsample.downsample_spans(spans, 0, 1000, max_spans=400, bins=100)
     assert {s.phase for s in out} == {DEAD}
     assert out[0].start == pytest.approx(0.0) and out[-1].end == pytest.approx(1000.0)
     few = [Span(0.0, 1000.0, RESTARTING, "l")] * 401 + [Span(500.0, 505.0, DEAD, "l")]
-    picked = timeline_figure.downsample_spans(few, 0, 1000, max_spans=400, bins=100)
+    picked = downsample.downsample_spans(few, 0, 1000, max_spans=400, bins=100)
     assert [(s.phase, s.start) for s in picked if s.phase == DEAD] == [(DEAD, 500.0)]

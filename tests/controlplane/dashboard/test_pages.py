@@ -4,7 +4,7 @@ import pytest
 from django.urls import reverse
 from django.utils import timezone
 
-from controlplane.dashboard.sections import JOB_SECTIONS
+from controlplane.dashboard.parts.signatures import JOB_SECTIONS
 
 from .factories import PASSWORD, make_command, make_job, make_user, populated_job
 

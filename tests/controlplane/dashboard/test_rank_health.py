@@ -1,5 +1,5 @@
 """One rule for a rank's health: the dashboard's rank table and the watchdog judge a rank the same way,
-by its row moved forward to the heartbeat store's newest beat (controlplane.jobs.health)."""
+by its row moved forward to the heartbeat store's newest beat (controlplane.jobs.rank_health)."""
 
 import time
 from datetime import timedelta
@@ -7,7 +7,7 @@ from datetime import timedelta
 import pytest
 from django.utils import timezone
 
-from controlplane.dashboard import sections
+from controlplane.dashboard.parts import rank_table
 from controlplane.jobs import ingestion, supervision
 from controlplane.jobs.models import Fault, Rank
 from tests.controlplane.conftest import batch, hb, make_job, needs_redis
@@ -23,7 +23,7 @@ def beat(job, *beats):
 
 def table_health(job, now):
     job = type(job).objects.get(pk=job.pk)  # a fresh instance: lanes are cached per request
-    return {row["rank"]: (row["health"], row.get("step")) for row in sections.ranks_part(job, now)["rows"]}
+    return {row["rank"]: (row["health"], row.get("step")) for row in rank_table.ranks_part(job, now)["rows"]}
 
 
 @needs_redis()

@@ -71,7 +71,7 @@ def test_the_node_sends_one_request_per_interval_and_gets_its_commands(server, t
         deadline = time.time() + 15
         while not all(any(c["id"] == cmd.pk for c in inbox.get(r, [])) for r in range(RANKS)):
             assert time.time() < deadline, {r: [c["id"] for c in inbox.get(r, [])] for r in range(RANKS)}
-            for r, rep in enumerate(reps):
+            for rep in reps:
                 rep.heartbeat(step=step, phase="train")
             step += 1
             time.sleep(0.1)

@@ -239,3 +239,33 @@ def test_two_transactions_that_record_one_failure_at_once_make_one_primary():
     assert not errors, errors
     assert [(f.rank, f.fault_class) for f in primaries(job)] == [(1, "hang")], list(
         Fault.objects.filter(job=job).values("rank", "fault_class", "primary_id", "link"))
+
+
+def test_a_transaction_that_attributes_a_job_several_times_passes_over_it_once_after_commit(
+        django_capture_on_commit_callbacks):
+    """Each batch attributes its faults at once and asks for a pass after commit (the overlapping
+    transactions above); a transaction that records several batches of one job makes one such pass per
+    job, over all their times, not one per batch. Counted by the pass's own read of the job's newest
+    faults, run as the commit would run the hooks."""
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    job, _ = make_job(spec={"procs_per_node": 2})
+    other, _ = make_job(spec={"procs_per_node": 2})
+    t = time.time() - 100
+    with django_capture_on_commit_callbacks() as hooks:
+        for i in range(1, 4):
+            record(job, [fault_ev(f"l{i}", 1, "exception", LOAD_FAILS, cycle=f"a0-ij{i}", at=t + 20 * i,
+                                  step=100)])
+        record(other, [fault_ev("o1", 0, "exception", GLOO_RESET, cycle="a0-ij1", at=t)])
+    with CaptureQueriesContext(connection) as queries:
+        for hook in hooks:
+            hook()
+
+    def passes(j):
+        return [q for q in queries.captured_queries if 'FROM "jobs_fault"' in q["sql"]
+                and f'"jobs_fault"."job_id" = {j.pk}' in q["sql"] and "LIMIT" in q["sql"]]
+
+    assert (len(passes(job)), len(passes(other))) == (1, 1), [q["sql"] for q in queries.captured_queries]
+    (root,) = primaries(job)  # the one pass saw all three failures: one root, counted three times
+    assert root.count == 3

@@ -1,4 +1,4 @@
-"""controlplane.jobs.health: a rank's row moved forward to the store's newest beat is exactly the row the
+"""controlplane.jobs.rank_health: a rank's row moved forward to the store's newest beat is exactly the row the
 flush then writes (the upsert's rules, said twice: this test holds them together)."""
 
 import time
@@ -7,8 +7,7 @@ from datetime import timedelta
 import pytest
 from django.utils import timezone
 
-from controlplane.jobs import health, ingestion
-from controlplane.jobs.heartbeats import Timeouts
+from controlplane.jobs import ingestion, rank_health
 from controlplane.jobs.models import Rank
 from tests.controlplane.conftest import batch, hb, make_job, needs_redis
 from trainer.wire import parse_batch
@@ -39,7 +38,7 @@ def test_the_view_is_the_row_the_flush_writes(hb_store, second):
     row = Rank.objects.get(job=job, rank=0)
     beat(job, hb(0, at=time.time(), node="n0", pid=7, loss=1.5, **second))
     now = timezone.now()
-    view = health.current(row, hb_store.freshest(job.pk, [0])[0], job.timeouts, now)
+    view = rank_health.current(row, hb_store.freshest(job.pk, [0])[0], job.timeouts, now)
     hb_store.flush(now=now)
     written = Rank.objects.get(job=job, rank=0)
     for f in FIELDS:
@@ -57,4 +56,4 @@ def test_an_older_beat_changes_nothing():
     from controlplane.jobs.heartbeats import RankState
 
     old = RankState(rank=0, at=(timezone.now() - timedelta(seconds=5)).timestamp(), step=3, phase="train")
-    assert health.current(row, old, job.timeouts, timezone.now()) is row
+    assert rank_health.current(row, old, job.timeouts, timezone.now()) is row

@@ -6,8 +6,8 @@ from datetime import timedelta
 import pytest
 from django.utils import timezone
 
-from controlplane.dashboard.sections import timeline_part
-from controlplane.jobs import figures, outages, supervision
+from controlplane.dashboard.parts.timeline_part import timeline_part
+from controlplane.jobs import outages, readouts, supervision
 from controlplane.jobs.models import Beacon, Fault, Outage, Rank
 from tests.controlplane.conftest import hb, make_job
 from tests.controlplane.jobs.test_supervision import beat
@@ -98,7 +98,7 @@ def test_a_deadline_after_the_last_ingest_tick_waits_for_the_next_tick(settle):
     assert not Outage.objects.exists()
     # The page shows what the watchdog does: late, not lost.
     rows = list(Rank.objects.filter(job=job))
-    assert {f.health for f in figures.rank_figures(job, rows, at(t0, 6))} == {"late"}
+    assert {f.health for f in readouts.rank_figures(job, rows, at(t0, 6))} == {"late"}
     outages.tick("ingest", at(t0, 6.2))  # ingest was up all along: the ranks did not beat
     assert supervision.run_watchdog(at(t0, 6.5)).lost == 2 and lost(job) == 2
     assert not Outage.objects.exists()
@@ -215,7 +215,7 @@ def test_the_page_and_the_api_show_a_rank_in_outage_grace_as_late_not_lost(settl
     supervision.run_watchdog(at(t0, 1))
     assert supervision.run_watchdog(at(t0, 20)).lost == 0  # no pass for 19 s: an outage of the watchdog
     rows = list(Rank.objects.filter(job=job))
-    healths = {f.rank: f.health for f in figures.rank_figures(job, rows, at(t0, 20))}
+    healths = {f.rank: f.health for f in readouts.rank_figures(job, rows, at(t0, 20))}
     assert healths == {0: "late", 1: "late"}
     # Once the grace is spent, the rank is lost on the page as for the watchdog.
-    assert {f.health for f in figures.rank_figures(job, rows, at(t0, 40))} == {"lost"}
+    assert {f.health for f in readouts.rank_figures(job, rows, at(t0, 40))} == {"lost"}

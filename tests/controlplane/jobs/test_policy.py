@@ -11,7 +11,7 @@ from controlplane.jobs import policy, supervision
 from controlplane.jobs.launcher_port import launcher_requested
 from controlplane.jobs.models import Command, Event, Fault, Job, Notification, RestartCycle
 from tests.controlplane.conftest import make_job
-from trainer.policy import parse_rules
+from trainer.policy_rules import parse_rules
 
 pytestmark = pytest.mark.django_db
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from controlplane import supervisor
+from controlplane.healthz import read_supervised
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -31,14 +32,6 @@ def _get(url: str) -> tuple[int, str]:
             return r.status, r.read().decode()
     except OSError as e:
         return getattr(e, "code", 0) or 0, str(e)
-
-
-def _children(body: str) -> dict[str, dict[str, str]]:
-    out = {}
-    for line in body.splitlines()[1:]:
-        name, *kv = line.split()
-        out[name] = dict(x.split("=", 1) for x in kv)
-    return out
 
 
 def _wait(cond, timeout_s: float, what: str):
@@ -71,8 +64,12 @@ def test_it_restarts_a_killed_worker_while_the_web_keeps_answering(tmp_path):
                               "--web-workers", "1"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, text=True)
     try:
-        first = _wait(lambda: (lambda r: r[0] == 200 and len(_children(r[1])) == 3 and _children(r[1]))(
-            _get(f"{base}/healthz")), 60, "the web and three children")
+        def three_children():
+            status, body = _get(f"{base}/healthz")
+            children = read_supervised(body) if status == 200 else {}
+            return len(children) == 3 and children
+
+        first = _wait(three_children, 60, "the web and three children")
         worker_pid = int(first["worker"]["pid"])
         os.kill(worker_pid, signal.SIGKILL)
         # The web keeps answering while the worker is down and restarted.
@@ -81,7 +78,7 @@ def test_it_restarts_a_killed_worker_while_the_web_keeps_answering(tmp_path):
         def back():
             status, body = _get(f"{base}/healthz")
             seen.append(status)
-            c = _children(body) if status == 200 else {}
+            c = read_supervised(body) if status == 200 else {}
             w = c.get("worker", {})
             return w.get("alive") == "1" and w.get("pid") not in (None, str(worker_pid)) and c
 

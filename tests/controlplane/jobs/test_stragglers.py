@@ -1,4 +1,4 @@
-"""Stragglers: one rule (jobs/health.py) read live by the rank table, the API and /metrics, and turned into
+"""Stragglers: one rule (jobs/rank_health.py) read live by the rank table, the API and /metrics, and turned into
 marked/cleared history by the watchdog (jobs/stragglers.py) for the timeline."""
 
 import time
@@ -7,9 +7,9 @@ from datetime import timedelta
 import pytest
 from django.utils import timezone
 
-from controlplane.dashboard import sections
 from controlplane.dashboard.metrics import render_metrics
-from controlplane.jobs import figures, health, ingestion, supervision
+from controlplane.dashboard.parts import rank_table
+from controlplane.jobs import ingestion, rank_health, readouts, supervision
 from controlplane.jobs.models import Event, Rank
 from controlplane.jobs.spec import JobSpec, SpecError
 from controlplane.jobs.stragglers import STRAGGLER_EVENT, straggler_spans
@@ -27,21 +27,21 @@ def beat(job, *beats):
 
 def table(job, now):
     job = type(job).objects.get(pk=job.pk)
-    return {r["rank"]: (r["health"], r["slowdown_pct"]) for r in sections.ranks_part(job, now)["rows"]}
+    return {r["rank"]: (r["health"], r["slowdown_pct"]) for r in rank_table.ranks_part(job, now)["rows"]}
 
 
 def test_it_finds_the_rank_above_the_median_of_the_others():
-    assert health.slowdowns({0: 0.10, 1: 0.13}, 20) == {1: 30.0}
-    assert health.slowdowns({0: 0.10, 1: 0.11}, 20) == {}
-    assert health.slowdowns({0: 0.10, 1: 0.10, 2: 0.10, 3: 0.25}, 20) == {3: 150.0}
+    assert rank_health.slowdowns({0: 0.10, 1: 0.13}, 20) == {1: 30.0}
+    assert rank_health.slowdowns({0: 0.10, 1: 0.11}, 20) == {}
+    assert rank_health.slowdowns({0: 0.10, 1: 0.10, 2: 0.10, 3: 0.25}, 20) == {3: 150.0}
     # Two slow ranks of five: each compared with the median of the four others.
-    assert health.slowdowns({0: 1.0, 1: 1.0, 2: 1.0, 3: 2.0, 4: 2.0}, 20) == {4: 100.0, 3: 100.0}
+    assert rank_health.slowdowns({0: 1.0, 1: 1.0, 2: 1.0, 3: 2.0, 4: 2.0}, 20) == {4: 100.0, 3: 100.0}
 
 
 def test_it_needs_two_ranks_and_a_margin():
-    assert health.slowdowns({0: 5.0}, 20) == {}
-    assert health.slowdowns({0: 0.1, 1: 0.5}, 0) == {}
-    assert health.slowdowns({0: 0.0, 1: 0.5}, 20) == {}  # no work measured on the peer: no median to judge by
+    assert rank_health.slowdowns({0: 5.0}, 20) == {}
+    assert rank_health.slowdowns({0: 0.1, 1: 0.5}, 0) == {}
+    assert rank_health.slowdowns({0: 0.0, 1: 0.5}, 20) == {}  # no work measured on the peer: no median to judge by
 
 
 def test_it_marks_a_straggler_in_the_rank_table_and_clears_it_when_it_recovers():
@@ -68,7 +68,7 @@ def test_a_rank_past_its_deadline_is_nobody_s_peer_in_metrics_either(settle):
     beat(job, hb(0, 10, at=now, busy_s=0.13), hb(1, 10, at=now, busy_s=0.10),
          hb(2, 10, at=now - 30, busy_s=0.20))  # rank 2: past its 10 s deadline, not marked lost yet
     settle()
-    assert figures.slowdowns(job, [], timezone.now()) == {0: 30.0}
+    assert readouts.slowdowns(job, [], timezone.now()) == {0: 30.0}
     assert table(job, timezone.now()) == {0: ("straggler", 30.0), 1: ("ok", None), 2: ("lost", None)}
 
 
@@ -139,7 +139,7 @@ def test_the_api_shows_a_rank_s_work_and_slowdown(settle):
 
 def test_a_straggler_rule_of_the_failure_policy_acts_when_the_watchdog_marks_one(settle):
     from controlplane.jobs.models import Command, Notification
-    from trainer.policy import parse_rules
+    from trainer.policy_rules import parse_rules
 
     job, _ = make_job(spec={"procs_per_node": 2, "failure_policy": parse_rules([
         {"match": {"class": "straggler"}, "action": "notify"}])}, notify_email="ops@example.com")

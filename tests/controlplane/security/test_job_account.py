@@ -2,6 +2,7 @@
 control plane is root, an account of their own that cannot read the secret key file or the database."""
 
 import os
+import re
 import subprocess
 from pathlib import Path
 
@@ -37,6 +38,19 @@ def test_it_builds_the_ranks_environment_from_an_allowlist():
     assert env == {"PATH": "/usr/bin", "HOME": "/data/jobs/1/home", "LANG": "C.UTF-8",
                    "CUDA_VISIBLE_DEVICES": "0", "NCCL_DEBUG": "WARN", "UNBROKEN_CKPT_SAVER": "process",
                    "MY_FLAG": "1"}
+
+
+def test_the_trainer_settings_the_docs_say_an_operator_may_set_for_every_job_reach_the_ranks():
+    """docs/reference/environment.md lists the trainer's settings one may set "in the ranks' environment (the
+    spec's env) or the launcher's": set in the control plane's, each must pass the allowlist (bench-chaos's
+    journal once did not, and its comparison saw no event sent)."""
+    text = (Path(__file__).resolve().parents[3] / "docs" / "reference" / "environment.md").read_text()
+    section = text.split("## Trainer side: settings you may set", 1)[1].split("\n## ", 1)[0]
+    names = re.findall(r"^\| `(UNBROKEN_[A-Z_]+)` \|", section, flags=re.M)
+    assert len(names) >= 5, section
+    settable = [n for n in names if "set by the launcher" not in section.split(f"`{n}`", 1)[1].split("\n")[0]]
+    env = rank_env({n: "1" for n in settable}, {}, home="/h")
+    assert [n for n in settable if n not in env] == []
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="switching to another account needs root")

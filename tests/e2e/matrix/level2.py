@@ -4,15 +4,12 @@ saves)."""
 import argparse
 import os
 import sys
-import time
-
-import torch
-import torch.nn.functional as F
 
 import unbroken
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import inject  # noqa: E402
+import inject
+import toy
 
 
 @unbroken.entrypoint
@@ -21,20 +18,12 @@ def train(ctx: unbroken.Context) -> None:
     p.add_argument("--steps", type=int, default=60)
     args, _ = p.parse_known_args()
     ctx.init_process_group()
-    torch.manual_seed(0)
-    model = torch.nn.Linear(16, 16)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    model, opt = toy.model_and_optimizer()
     start = ctx.checkpoint.restore(model=model, optim=opt)
     for step in range(start, args.steps):
-        x = torch.randn(32, 16, generator=torch.Generator().manual_seed(step * 10 + ctx.rank))
-        loss = F.mse_loss(model(x), x)
-        loss.backward()
-        for q in model.parameters():
-            torch.distributed.all_reduce(q.grad)
+        loss = toy.loss_of(model, step, ctx.rank)
         ctx.checkpoint.wait_for_staging()
-        opt.step()
-        opt.zero_grad()
-        time.sleep(0.05)
+        toy.update(opt)
         ctx.step(step + 1, loss=loss.item())
         inject.at_step(step + 1, ctx.rank)
         if ctx.checkpoint.maybe_save(step + 1):

@@ -41,7 +41,7 @@ class Command(BaseCommand):
         # Trainers the local launcher starts report to PUBLIC_URL: unless it is set, that is this server.
         env = dict(os.environ)
         if not os.environ.get("UNBROKEN_PUBLIC_URL"):
-            reach = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+            reach = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host  # noqa: S104 - a comparison
             env["UNBROKEN_PUBLIC_URL"] = f"http://{reach}:{port}"
         sup = Supervisor(cmds, state_dir=settings.DATA_DIR, env=env)
         signal.signal(signal.SIGINT, sup.request_stop)

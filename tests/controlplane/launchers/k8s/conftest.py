@@ -11,10 +11,10 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from k8shelpers import INGEST_URL, Cluster  # noqa: E402
-from kfake import KFakeThread  # noqa: E402
+from controlplane.launchers.kubernetes import KubernetesLauncher
 
-from controlplane.launchers.kubernetes import KubernetesLauncher  # noqa: E402
+from k8shelpers import INGEST_URL, Cluster
+from kfake import KFakeThread
 
 
 def pytest_collection_modifyitems(items):

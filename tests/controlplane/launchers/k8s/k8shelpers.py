@@ -10,11 +10,11 @@ from typing import Any
 
 from kubernetes import client
 
-from kfake import KFakeThread  # noqa: F401  (type of Cluster.srv)
-
 from controlplane.jobs.models import Job
 from controlplane.jobs.spec import JobSpec
 from controlplane.launchers import manifests
+
+from kfake import KFakeThread  # the type of Cluster.srv
 
 NS = "train"
 INGEST_URL = "http://unbroken-web.unbroken.svc.cluster.local:8000"

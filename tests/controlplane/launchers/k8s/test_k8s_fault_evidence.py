@@ -10,8 +10,9 @@ from django.urls import reverse
 
 from controlplane.jobs.models import Fault
 from controlplane.launchers import services
-from test_k8s_supervise import launched
 from trainer.wire import FaultClass
+
+from test_k8s_supervise import launched
 
 pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("use_fake_cluster")]
 

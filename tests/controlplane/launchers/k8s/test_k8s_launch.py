@@ -6,11 +6,12 @@ import urllib.error
 import urllib.request
 
 import pytest
-from k8shelpers import INGEST_URL, NS, make_job
 
 from controlplane.jobs.models import JobStatus
 from controlplane.launchers import manifests
 from controlplane.launchers.base import LaunchError, TransientLaunchError
+
+from k8shelpers import INGEST_URL, NS, make_job
 
 
 def test_it_creates_job_service_and_secret_owned_by_the_job(cluster, launcher):

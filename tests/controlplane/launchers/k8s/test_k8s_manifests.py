@@ -4,12 +4,13 @@ Every object is validated strictly against the pinned Kubernetes schema (and the
 import json
 
 import pytest
-from k8shelpers import NS, k8s_spec
-from kfake import K8S_VERSION, validate_object
 
 from controlplane.jobs.spec import JobSpec, SpecError
 from controlplane.launchers import manifests
 from trainer.jobspec import ENV_SPEC
+
+from k8shelpers import NS, k8s_spec
+from kfake import K8S_VERSION, validate_object
 
 OWNER = {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": "unbroken-42", "uid": "u-1"}}
 

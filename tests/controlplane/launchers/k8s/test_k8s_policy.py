@@ -3,7 +3,6 @@ termination reason or exit code stops the job (its pods deleted), stops and keep
 or restarts the whole job; without a rule the launcher does what it always did."""
 
 import pytest
-from k8shelpers import NS
 
 from controlplane.jobs import policy
 from controlplane.jobs import services as job_services
@@ -11,6 +10,7 @@ from controlplane.jobs.models import Command, Event, Fault, Job, JobStatus
 from controlplane.launchers import services, tasks
 from trainer.wire import FaultClass
 
+from k8shelpers import NS
 from test_k8s_supervise import create_job, launched
 
 pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("use_fake_cluster")]

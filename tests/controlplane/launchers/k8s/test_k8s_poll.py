@@ -2,9 +2,10 @@
 lifecycle) and moves pods through their phases; poll turns what it sees into a PollResult with faults."""
 
 import pytest
-from k8shelpers import NS, make_job
 
 from trainer.wire import FaultClass
+
+from k8shelpers import NS, make_job
 
 
 @pytest.fixture()

@@ -3,9 +3,10 @@
 import time
 
 import pytest
-from k8shelpers import make_job
 
 from controlplane.launchers.kubernetes import KubernetesLauncher
+
+from k8shelpers import make_job
 
 
 def test_it_finds_nothing_wrong_on_a_ready_cluster(cluster, launcher):

@@ -5,11 +5,12 @@ import itertools
 
 import pytest
 from hypothesis import HealthCheck, given, settings
-from k8shelpers import NS
 
 from controlplane.jobs.models import Job
 from tests.spec_strategies import expected_launch, expected_settings, job_specs
 from tests.trainer.test_spec_arrives import as_launched
+
+from k8shelpers import NS
 
 _K8S = {"namespace": NS, "image": "registry.example/trainer:1", "nvrx_version": "0.4.1"}
 _ids = itertools.count(100)

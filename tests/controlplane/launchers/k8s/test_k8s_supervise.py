@@ -2,12 +2,9 @@
 job states, faults and job-level restarts that result from what the pods do."""
 
 import base64
-
-import pytest
-from k8shelpers import NS, k8s_spec
-
 from datetime import timedelta
 
+import pytest
 from django.utils import timezone
 
 from controlplane.jobs import services as job_services
@@ -16,6 +13,8 @@ from controlplane.jobs.models import Command, Fault, Job, JobStatus, RestartCycl
 from controlplane.launchers import services, tasks
 from controlplane.launchers.base import TransientLaunchError
 from trainer.wire import FaultClass
+
+from k8shelpers import NS, k8s_spec
 
 pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("use_fake_cluster")]
 

@@ -11,14 +11,15 @@ import sys
 import tomllib
 
 import pytest
-from k8shelpers import NS, k8s_spec, make_job
-from kfake import validate_object
 
 from controlplane.jobs.models import Fault, Job, JobStatus
 from controlplane.jobs.spec import JobSpec
 from controlplane.launchers import manifests, services, tasks
 from controlplane.launchers.base import LaunchError
 from trainer.jobspec import ENV_SPEC
+
+from k8shelpers import NS, k8s_spec, make_job
+from kfake import validate_object
 
 OWNER = {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": "unbroken-42", "uid": "u-1"}}
 IMAGE = "123456789012.dkr.ecr.us-east-1.amazonaws.com/my-llm:3"

@@ -1,13 +1,13 @@
 """The timeline's "control plane unavailable" bands: times the control plane could not receive or
 evaluate heartbeats (``jobs.outages``: ingest stopped, the watchdog not running). Kept apart from
-``charts.timeline_figure``: it only adds shapes and one hover trace to a finished figure."""
+``recovery_timeline.timeline_figure``: it only adds shapes and one hover trace to a finished figure."""
 
 from __future__ import annotations
 
 from datetime import datetime
 
-from controlplane.dashboard.charts import fmt_s, hms, ms
-from controlplane.dashboard.timeline_figure import spaced
+from controlplane.dashboard.plots.style import hms, ms, spaced
+from controlplane.dashboard.words import fmt_s
 
 BAND_COLOR = "#9e9e9e"
 WHAT = {"ingest": "ingest unavailable", "watchdog": "watchdog not running"}

@@ -1,8 +1,8 @@
-"""trainer.policy: rules, their validation, and the one decision function both sides use."""
+"""trainer.policy_rules: rules, their validation, and the one decision function both sides use."""
 
 import pytest
 
-from trainer.policy import (
+from trainer.policy_rules import (
     Action,
     Budget,
     Facts,
@@ -113,7 +113,7 @@ def test_it_names_signals():
 
 
 def test_ft_launchers_hook_counts_matches_over_rounds_and_names_the_rule():
-    from trainer.launch import LauncherHooks
+    from trainer.launcher_hooks import LauncherHooks
     from trainer.reporter import NullReporter
 
     hooks = LauncherHooks(reporter=NullReporter(), attempt=0, app_store=None, in_job=True, rules=parse_rules([

@@ -24,7 +24,7 @@ class HealthCheckMiddleware:
         try:
             with connection.cursor() as cursor:
                 cursor.execute("SELECT 1")
-        except Exception as e:  # any database failure makes the instance unhealthy
+        except Exception as e:  # noqa: BLE001 - any database failure makes the instance unhealthy
             detail = f": database unavailable: {type(e).__name__}" if _may_see_details(request) else ""
             return HttpResponse(f"unavailable{detail}", status=503, content_type="text/plain")
         return HttpResponse("ok" + (supervised_lines() if _may_see_details(request) else ""),
@@ -54,3 +54,14 @@ def supervised_lines() -> str:
         return ""
     return "".join(f"\n{name} pid={c['pid'] or '-'} alive={int(c['alive'])} restarts={c['restarts']}"
                    for name, c in sorted(state["children"].items()))
+
+
+def read_supervised(body: str) -> dict[str, dict[str, str]]:
+    """The supervised processes in a detailed ``/healthz`` body, by name (``supervised_lines`` read back):
+    ``{"worker": {"pid": "123", "alive": "1", "restarts": "2"}}``. Read here, beside the writer, so that the
+    serve test and the chaos bench parse the one format the same way."""
+    out = {}
+    for line in body.splitlines()[1:]:
+        name, *kv = line.split()
+        out[name] = dict(x.split("=", 1) for x in kv)
+    return out

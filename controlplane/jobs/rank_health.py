@@ -3,7 +3,7 @@
 A rank's facts live in two places while the Redis heartbeat store is on: its ``Rank`` row (claims, the
 step clock; written only by the flush) and the store's newest beat, which may be up to a flush newer.
 ``current`` is the row as the flush will write it with that beat (the upsert's rules in
-``heartbeats._UPSERT_TAIL``); ``Rank.health_at`` judges it against ``now``. Pure: no I/O.
+``rank_rows._UPSERT_TAIL``); ``Rank.health_at`` judges it against ``now``. Pure: no I/O.
 
 Stragglers are the one judgement that needs the rank's peers: ``slowdowns`` compares each training
 rank's own work per step (``busy_s``: CPU seconds of its training thread, averaged by the rank over the
@@ -21,7 +21,6 @@ from controlplane.jobs.heartbeats import RankState, Timeouts, utc
 from controlplane.jobs.models import Rank, RankHealth
 from controlplane.jobs.outages import grace_s
 from trainer.wire import Phase
-
 
 
 def current(row: Rank, fresh: RankState | None, timeouts: Timeouts, now: datetime) -> Rank:

@@ -1,4 +1,4 @@
-"""The figures the job page and the operator API both show, computed in one place.
+"""The numbers the job page and the operator API both show (their readouts), computed in one place.
 
 Each function turns stored facts into the numbers a reader sees (a fault's detection time, a save's
 throughput, a rank's health with the freshest heartbeat). The dashboard formats them for people; the
@@ -14,7 +14,7 @@ from datetime import datetime
 
 from django.db.models import Count, QuerySet
 
-from controlplane.jobs import health, heartbeats, outages
+from controlplane.jobs import heartbeats, outages, rank_health
 from controlplane.jobs.models import Event, Fault, Job, Rank, RankHealth, RestartCycle
 from trainer.wire import CheckpointState, EventKind, Phase
 
@@ -179,8 +179,8 @@ class RankFigures:
 
 
 def slowdowns(job: Job, rows: Iterable[Rank], now: datetime, *, complete: bool = False) -> dict[int, float]:
-    """{rank: slowdown in percent} of the job's stragglers (``health.slowdowns``), judged with ``rows``
-    (already moved forward to the store's newest beats: ``health.current``) and, unless ``complete`` says
+    """{rank: slowdown in percent} of the job's stragglers (``rank_health.slowdowns``), judged with ``rows``
+    (already moved forward to the store's newest beats: ``rank_health.current``) and, unless ``complete`` says
     they are the whole world, the stored rows of the other ranks (one query; those lag Redis by up to a
     flush). A rank counts while it trains and ``Rank.health_at`` judges it ok or late (the other ranks'
     rows through ``Rank.objects.ok_or_late``, the same rule in SQL)."""
@@ -196,7 +196,7 @@ def slowdowns(job: Job, rows: Iterable[Rank], now: datetime, *, complete: bool =
             busy[r.rank] = r.busy_s
         else:
             busy.pop(r.rank, None)
-    return health.slowdowns(busy, margin)
+    return rank_health.slowdowns(busy, margin)
 
 
 def slowdowns_of(job: Job, ranks: QuerySet, now: datetime) -> dict[int, float]:
@@ -205,7 +205,7 @@ def slowdowns_of(job: Job, ranks: QuerySet, now: datetime) -> dict[int, float]:
     if not job.is_active or margin <= 0:
         return {}
     busy = dict(ranks.ok_or_late(now).filter(phase=Phase.TRAIN, busy_s__isnull=False).values_list("rank", "busy_s"))
-    return health.slowdowns(busy, margin)
+    return rank_health.slowdowns(busy, margin)
 
 
 def freshest(job: Job, ranks: list[int]) -> dict:
@@ -225,7 +225,7 @@ def rank_figures(job: Job, rows: Iterable[Rank | tuple[int, None]], now: datetim
     timeouts = job.timeouts
     windows = outages.grace_windows(now) if job.is_active and numbers else []
     # Each row moved forward by the watchdog's own rule.
-    moved = [health.current(r, fresh.get(r.rank), timeouts, now) if isinstance(r, Rank) else r for r in rows]
+    moved = [rank_health.current(r, fresh.get(r.rank), timeouts, now) if isinstance(r, Rank) else r for r in rows]
     present = [r for r in moved if isinstance(r, Rank)]
     slow = slowdowns(job, present, now, complete=len(present) >= job.world_size) if present else {}
     out = []
@@ -237,7 +237,7 @@ def rank_figures(job: Job, rows: Iterable[Rank | tuple[int, None]], now: datetim
         hb_at = r.last_heartbeat_at.timestamp() if r.last_heartbeat_at else None
         pct = slow.get(r.rank)
         out.append(RankFigures(rank=r.rank, node=r.node,
-                               health=health.judge(r, now, windows, pct) if job.is_active else "stopped",
+                               health=rank_health.judge(r, now, windows, pct) if job.is_active else "stopped",
                                hb_at=hb_at, phase=r.phase, step=r.last_step, loss=r.loss,
                                step_time_s=r.step_time_s, pid=r.pid, busy_s=r.busy_s, slowdown_pct=pct))
     return out

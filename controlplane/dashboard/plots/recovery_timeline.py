@@ -2,16 +2,15 @@
 restart-cycle bands, fault markers and operator commands, downsampled so a long job stays light.
 
 The spans it draws come from ``timeline.py`` (facts -> phases); the words and number formats from
-``charts.py``.
+``words.py``; the "control plane unavailable" bands are added to the finished figure by ``outage_bands.py``.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
-from functools import partial
-from html import escape
 
-from controlplane.dashboard.charts import BASE_LAYOUT, LAYER_NAMES, fmt_s, hms, ms
+from controlplane.dashboard.plots.downsample import downsample_spans
+from controlplane.dashboard.plots.style import BASE_LAYOUT, esc, hms, markers, ms, spaced
 from controlplane.dashboard.timeline import (
     CHECKPOINT_LOAD,
     CHECKPOINT_SAVE,
@@ -24,13 +23,8 @@ from controlplane.dashboard.timeline import (
     TRAINING,
     Span,
 )
+from controlplane.dashboard.words import LAYER_NAMES, fmt_s
 
-# Hover text is plotly's pseudo-HTML (<b>, <br>, <a href>, <span style>): what a job or a person wrote
-# (messages, reasons, names) is escaped so it cannot make a link or styled text; plotly shows &lt; as <.
-esc = partial(escape, quote=False)
-
-MAX_SPANS = 400  # per lane (job-wide counts as one lane)
-MAX_BINS = 600
 MAX_FAULT_MARKERS = 500
 MAX_LABELLED = 25
 
@@ -44,9 +38,6 @@ PHASE_COLORS = {
     DEAD: "#c0392b",
     STRAGGLER: "#76b7b2",
 }
-# When a bin holds several phases, the most alarming wins; a save must cover a quarter of the bin.
-PRIORITY = (DEAD, HUNG, RESTARTING, CHECKPOINT_LOAD, STARTING, STRAGGLER, CHECKPOINT_SAVE)
-MIN_COVER = {CHECKPOINT_SAVE: 0.25}
 LAYER_COLORS = {"in_process": "#59a14f", "in_job": "#f28e2b", "job": "#e15759", "none": "#7f7f7f"}
 FAULT_COLORS = {
     "exception": "#d62728",
@@ -61,107 +52,6 @@ FAULT_COLORS = {
     "unschedulable": "#aec7e8",
     "image_pull": "#98df8a",
 }
-
-
-def downsample_spans(
-    spans: list[Span], t0: float, t1: float, *, max_spans: int = MAX_SPANS, bins: int = MAX_BINS
-) -> list[Span]:
-    """Clip spans to [t0, t1]; a lane with more than ``max_spans`` overlay spans is binned.
-
-    Training is the background and is never binned. In a binned lane each bin shows the most
-    alarming phase present (a save must fill a quarter of the bin to show), and runs of equal bins
-    become one span labelled with the resolution, so zooming in (a narrower window) shows detail.
-    """
-    out: list[Span] = []
-    lanes: dict[int | None, list[Span]] = defaultdict(list)
-    for s in spans:
-        if s.end < t0 or s.start > t1:
-            continue
-        c = Span(max(s.start, t0), min(s.end, t1), s.phase, s.lane, s.label, s.open)
-        if c.phase == TRAINING:
-            out.append(c)
-        else:
-            lanes[c.lane].append(c)
-    width = (t1 - t0) / bins if t1 > t0 else 0.0
-    for lane, items in lanes.items():
-        if len(items) <= max_spans or width <= 0:
-            out.extend(items)
-            continue
-        cover: dict[str, list[float]] = defaultdict(lambda: [0.0] * bins)
-        # Bins a span covers whole are counted once per span at their ends (a running sum below), so a
-        # lane of thousands of long spans (a node-lost storm) costs spans + bins, not spans x bins.
-        full: dict[str, list[int]] = defaultdict(lambda: [0] * (bins + 1))
-        open_phases: set[str] = set()
-        for s in items:
-            if s.open:
-                open_phases.add(s.phase)
-            i0 = min(bins - 1, int((s.start - t0) / width))
-            i1 = min(bins - 1, int((s.end - t0) / width))
-            row = cover[s.phase]
-            for i in (i0, i1) if i1 > i0 else (i0,):
-                a = max(s.start, t0 + i * width)
-                b = min(s.end, t0 + (i + 1) * width)
-                row[i] += max(b - a, 1e-9)
-            if i1 - i0 > 1:
-                f = full[s.phase]
-                f[i0 + 1] += 1
-                f[i1] -= 1
-        for phase, f in full.items():
-            row, k = cover[phase], 0
-            for i in range(bins):
-                k += f[i]
-                if k:
-                    row[i] += k * width
-        chosen: list[str | None] = []
-        for i in range(bins):
-            pick = None
-            for phase in PRIORITY:
-                row = cover.get(phase)
-                if row and row[i] > 0 and row[i] >= MIN_COVER.get(phase, 0.0) * width:
-                    pick = phase
-                    break
-            chosen.append(pick)
-        i = 0
-        while i < bins:
-            if chosen[i] is None:
-                i += 1
-                continue
-            j = i
-            while j + 1 < bins and chosen[j + 1] == chosen[i]:
-                j += 1
-            phase = chosen[i]
-            a, b = t0 + i * width, t0 + (j + 1) * width
-            out.append(
-                Span(
-                    a,
-                    b,
-                    phase,
-                    lane,
-                    f"{phase} (summary at {fmt_s(width)} resolution: zoom in for detail)",
-                    open=phase in open_phases and j == bins - 1,
-                )
-            )
-            i = j + 1
-    return out
-
-
-# -- recovery timeline ----------------------------------------------------------------------------
-
-# Labels on one lane closer than this share of the visible time apart would run into one another
-# ("control plane unavailablecontrol plane unavailable"): only the first of them is labelled; the
-# others keep their marker and hover.
-LABEL_GAP = 0.08
-
-
-def spaced(xs: list[float], span: float) -> list[bool]:
-    """Which of the points at ``xs`` (on one lane) get a text label: left to right, each at least
-    ``LABEL_GAP`` of ``span`` after the last labelled one."""
-    keep = [False] * len(xs)
-    last = None
-    for i in sorted(range(len(xs)), key=lambda i: xs[i]):
-        if last is None or xs[i] - last >= LABEL_GAP * span:
-            keep[i], last = True, xs[i]
-    return keep
 
 
 def timeline_figure(
@@ -187,9 +77,35 @@ def timeline_figure(
     n = len(lanes)
     lane_y = {ln.get("key", ln.get("rank")): i + 1 for i, ln in enumerate(lanes)}
     lane_words = {ln.get("key", ln.get("rank")): ln.get("label") for ln in lanes}
+    traces, open_points = _phase_bars(downsample_spans(spans, t0, t1), n, lane_y, lane_words)
+    shapes, by_layer = _cycle_bands(cycles, t0, t1, now)
+    # An operator's restart starts when its command was issued, where the command's marker would sit on
+    # top of it and take its hover: the restart's marker says who asked instead, and the command has none.
+    by_command = {c["id"]: c for c in commands if c.get("id") is not None}
+    restarted = {c["command_id"] for c in cycles if c.get("command_id") is not None}
+    traces += _cycle_markers(by_layer, by_command, t0, t1)
+    traces += _fault_markers(faults, lane_y, t0, t1)
+    traces += _command_markers(
+        [c for c in commands if t0 <= c["issued_at"] <= t1 and c.get("id") not in restarted]
+    )
+    traces += _decision_markers([d for d in decisions if t0 <= d["at"] <= t1])
+    shapes += _node_lines(lanes)
+    plot_height = plot_height_for(n)
+    return {
+        "figure": {"data": traces, "layout": _layout(lanes, shapes, t0, t1, plot_height)},
+        "open": open_points,
+        "now_ms": ms(now),
+        "plot_height": plot_height,
+    }
+
+
+def _phase_bars(
+    spans: list[Span], n: int, lane_y: dict, lane_words: dict
+) -> tuple[list[dict], list[list[int]]]:
+    """One bar trace per phase (a job-wide span covers every lane), and the [trace, point] of each open
+    bar."""
     traces: list[dict] = []
     open_points: list[list[int]] = []
-    spans = downsample_spans(spans, t0, t1)
     by_phase: dict[str, list[Span]] = defaultdict(list)
     for s in spans:
         by_phase[s.phase].append(s)
@@ -231,7 +147,14 @@ def timeline_figure(
                 "hovertemplate": "%{customdata}<extra></extra>",
             }
         )
+    return traces, open_points
 
+
+def _cycle_bands(
+    cycles: list[dict], t0: float, t1: float, now: float
+) -> tuple[list[dict], dict[str, list[dict]]]:
+    """A band over every lane per restart cycle in view (to its first step, or now), and those cycles by
+    layer."""
     shapes: list[dict] = []
     by_layer: dict[str, list[dict]] = defaultdict(list)
     for c in cycles:
@@ -254,14 +177,17 @@ def timeline_figure(
                 "layer": "above",
             }
         )
+    return shapes, by_layer
+
+
+def _cycle_markers(by_layer: dict[str, list[dict]], by_command: dict, t0: float, t1: float) -> list[dict]:
+    """A diamond per restart on the job lane, one trace per layer; labelled while there are few, and only
+    those far enough apart."""
+    traces: list[dict] = []
     labelled = sum(len(v) for v in by_layer.values()) <= MAX_LABELLED
     everyone = [c for items in by_layer.values() for c in items]
     label_ok = {id(c): ok for c, ok in zip(everyone, spaced([c["start"] for c in everyone], t1 - t0),
                                            strict=True)}
-    # An operator's restart starts when its command was issued, where the command's marker would sit on
-    # top of it and take its hover: the restart's marker says who asked instead, and the command has none.
-    by_command = {c["id"]: c for c in commands if c.get("id") is not None}
-    restarted = {c["command_id"] for c in cycles if c.get("command_id") is not None}
     for layer, items in by_layer.items():
         d = [c["durations"] for c in items]
         traces.append(
@@ -289,7 +215,13 @@ def timeline_figure(
                 "hovertemplate": "%{customdata}<extra></extra>",
             }
         )
+    return traces
 
+
+def _fault_markers(faults: list[dict], lane_y: dict, t0: float, t1: float) -> list[dict]:
+    """A cross per fault in view (the newest ``MAX_FAULT_MARKERS``) on its rank's lane, one trace per
+    class."""
+    traces: list[dict] = []
     visible = [f for f in faults if t0 <= f["at"] <= t1][-MAX_FAULT_MARKERS:]
     by_class: dict[str, list[dict]] = defaultdict(list)
     for f in visible:
@@ -332,43 +264,45 @@ def timeline_figure(
         )
         if not labelled:
             del traces[-1]["text"]
+    return traces
 
-    cmds = [c for c in commands if t0 <= c["issued_at"] <= t1 and c.get("id") not in restarted]
-    if cmds:
-        traces.append(
-            {
-                "type": "scatter",
-                "mode": "markers",
-                "name": "operator command",
-                "legendgroup": "command",
-                "x": [ms(c["issued_at"]) for c in cmds],
-                "y": [0] * len(cmds),
-                "marker": {"symbol": "triangle-down", "size": 11, "color": "#333"},
-                "customdata": [f"<b>{esc(c['summary'])}</b><br>by {esc(c['by'])} · {c['status']}"
-                               for c in cmds],
-                "hovertemplate": "%{customdata}<extra></extra>",
-            }
+
+def _command_markers(cmds: list[dict]) -> list[dict]:
+    """The operator's commands in view (those that started no restart) on the job lane."""
+    if not cmds:
+        return []
+    return [
+        markers(
+            "operator command",
+            legendgroup="command",
+            x=[ms(c["issued_at"]) for c in cmds],
+            y=[0] * len(cmds),
+            marker={"symbol": "triangle-down", "size": 11, "color": "#333"},
+            customdata=[f"<b>{esc(c['summary'])}</b><br>by {esc(c['by'])} · {c['status']}" for c in cmds],
         )
+    ]
 
-    picked = [d for d in decisions if t0 <= d["at"] <= t1]
-    if picked:
-        traces.append(
-            {
-                "type": "scatter",
-                "mode": "markers",
-                "name": "policy decision",
-                "legendgroup": "policy",
-                "x": [ms(d["at"]) for d in picked],
-                "y": [0] * len(picked),
-                "marker": {"symbol": "diamond", "size": 9, "color": [
-                    "#b07aa1" if d["rule"] else "#bab0ac" for d in picked]},
-                "customdata": [f"<b>{esc(d['subject'])}: {esc(d['words'])}</b><br>{esc(d['why'])}"
-                               for d in picked],
-                "hovertemplate": "%{customdata}<extra></extra>",
-            }
+
+def _decision_markers(picked: list[dict]) -> list[dict]:
+    """The failure policy's decisions in view on the job lane (grey: no rule matched)."""
+    if not picked:
+        return []
+    return [
+        markers(
+            "policy decision",
+            legendgroup="policy",
+            x=[ms(d["at"]) for d in picked],
+            y=[0] * len(picked),
+            marker={"symbol": "diamond", "size": 9,
+                    "color": ["#b07aa1" if d["rule"] else "#bab0ac" for d in picked]},
+            customdata=[f"<b>{esc(d['subject'])}: {esc(d['words'])}</b><br>{esc(d['why'])}" for d in picked],
         )
+    ]
 
-    # Node groups: a line between nodes, the node in each rank's tick label.
+
+def _node_lines(lanes: list[dict]) -> list[dict]:
+    """Node groups: a line between nodes (the node is in each rank's tick label)."""
+    shapes: list[dict] = []
     prev = None
     for i, ln in enumerate(lanes):
         if prev is not None and ln["node"] != prev:
@@ -385,12 +319,16 @@ def timeline_figure(
                 }
             )
         prev = ln["node"]
+    return shapes
+
+
+def _layout(lanes: list[dict], shapes: list[dict], t0: float, t1: float, plot_height: int) -> dict:
+    n = len(lanes)
     # A rank's node shows once its first heartbeat names it; until then the lane is just the rank.
     ticktext = ["job"] + [
         ln.get("label") or (f"r{ln['rank']} · {ln['node']}" if ln["node"] else f"r{ln['rank']}") for ln in lanes
     ]
-    plot_height = plot_height_for(n)
-    layout = {
+    return {
         **BASE_LAYOUT,
         # The page keeps the plot area at plot_height whatever the legend takes (job.js keepPlotHeight);
         # this first guess leaves room for a legend of about three rows.
@@ -428,12 +366,6 @@ def timeline_figure(
         },
         "shapes": shapes,
         "margin": {"l": 130, "r": 20, "t": 30, "b": 40},
-    }
-    return {
-        "figure": {"data": traces, "layout": layout},
-        "open": open_points,
-        "now_ms": ms(now),
-        "plot_height": plot_height,
     }
 
 
