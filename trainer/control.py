@@ -172,12 +172,20 @@ def decode(v: list[int]) -> Decision:
     return Decision(command_id=cid, kind=kind, level=level, fault=fault, rank=rank)
 
 
+def _collected_key(command_id: int) -> str:
+    return f"unbroken/commands/collected/{command_id}"
+
+
 class Control:
     """Per-step agreement on the next command: rank 0 decides, one tiny broadcast tells everyone."""
 
     def __init__(self, *, inbox: CommandInbox | None, pg: Any, rank: int, world_size: int, in_process: bool,
-                 in_job: bool, ack: Callable[[int, bool, str], None]):
+                 in_job: bool, ack: Callable[[int, bool, str], None], store: Any = None):
         self.inbox, self.pg, self.rank, self.world_size = inbox, pg, rank, world_size
+        # The job's store, which outlives an attempt: a rank that collects a round says so there, so that
+        # rank 0 does not post again a command a peer acted on in a round rank 0 itself never collected
+        # (the peer acted first, an injected fault say, and the restart cut rank 0 short).
+        self.store = store
         self.in_process, self.in_job, self._ack = in_process, in_job, ack
         self._work: Any = None
         self._posted: torch.Tensor | None = None
@@ -209,6 +217,9 @@ class Control:
         buf.zero_()
         if self.rank == 0:
             cmd = self.inbox.peek() if self.inbox is not None else None
+            while cmd is not None and self._collected_by_a_peer(int(cmd["id"])):
+                self.inbox.done(int(cmd["id"]))
+                cmd = self.inbox.peek()
             if cmd is not None:
                 cid = int(cmd["id"])
                 vec, detail = encode(cmd, in_process=self.in_process, in_job=self.in_job,
@@ -232,8 +243,26 @@ class Control:
         return decision
 
     def _collected(self, decision: Decision) -> None:
-        if self.rank == 0 and decision.command_id and self.inbox is not None:
-            self.inbox.done(decision.command_id)
+        if not decision.command_id:
+            return
+        if self.rank == 0:
+            if self.inbox is not None:
+                self.inbox.done(decision.command_id)
+        elif self.store is not None and decision.kind != CommandKind.STOP:
+            # Before acting on it (the act may be an injected fault). A stop is not done until the loop
+            # saves and returns: one that a restart cut short is posted again.
+            try:
+                self.store.set(_collected_key(decision.command_id), "1")
+            except Exception:  # noqa: BLE001 - the store is gone with the attempt: rank 0 may post it again
+                log.warning("command %s: could not record its collection", decision.command_id, exc_info=True)
+
+    def _collected_by_a_peer(self, cid: int) -> bool:
+        if self.store is None or self.world_size == 1:
+            return False
+        try:
+            return bool(self.store.check([_collected_key(cid)]))
+        except Exception:  # noqa: BLE001 - no store, no record: post it (acted on at least once)
+            return False
 
     def drain(self) -> None:
         """Collect an outstanding overlapped broadcast (before the group goes away)."""

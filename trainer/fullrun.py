@@ -309,7 +309,8 @@ class Context:
         self._control = Control(inbox=s.inbox if rank == 0 else None, pg=self._ctl_pg, rank=rank,
                                 world_size=dist.get_world_size(), in_process=s.cfg.in_process,
                                 in_job=s.env.in_job,
-                                ack=lambda cid, ok, detail: s.reporter.event(*ack_event(cid, ok, detail)))
+                                ack=lambda cid, ok, detail: s.reporter.event(*ack_event(cid, ok, detail)),
+                                store=s.app_store)
 
     def step(self, step: int, *, loss: float | None = None, tokens: int | None = None) -> None:
         """Report step ``step`` completed; every rank calls it once per step (ranks agree on commands

@@ -90,6 +90,10 @@ class UserRun:
         self._first_step_marked = False
         self._closed = threading.Event()
         self._lock = threading.Lock()
+        # Held while the level changes and while a command is taken at Level 0 or 1: the heartbeat thread
+        # (Level 0) must not take one as the main thread moves to the SDK's full level, whose commands are
+        # agreed across ranks (a rank that took it here would mark it done for a peer that no longer looks).
+        self._level_lock = threading.Lock()
         self.inbox = CommandInbox(os.path.join(cfg.run_dir, f"commands_done_r{self.rank}.json"))
         self._acted: dict[int, float] = {}
         self.reporter = reporter or make_reporter(
@@ -226,7 +230,7 @@ class UserRun:
         self._share(step, loss)
         self._due_drills(step)
         if self.level > 0:
-            self._commands()
+            self._commands(level=self.level)
 
     def _progress_key(self) -> str:
         return f"unbroken/progress/a{self.cfg.attempt}/ij{self.env.restart_count}"
@@ -294,12 +298,17 @@ class UserRun:
             self.drills.fire(pending[0], rank=RankEnv.rank(), hang_pg=None, world_size=self.env.world_size,
                              message=pending[1])
 
-    def _commands(self) -> None:
-        """Act on commands at a step boundary: every rank receives them; rank 0 (or the target) acks.
-        Before the first step nothing acts: the code may still be importing, and one that reaches
-        ``unbroken.entrypoint`` leaves its commands to the SDK's full level (agreed across ranks)."""
-        if self.level == 0 and not self.progress_seen:
-            return
+    def _commands(self, *, level: int) -> None:
+        """Act on commands at a step boundary of Level ``level`` (0: the heartbeat thread; 1: the loop's
+        report): every rank receives them; rank 0 (or the target) acks. Nothing acts before the first step
+        (the code may still be importing), nor once the level is another (an ``unbroken.entrypoint``
+        function's commands are agreed across ranks by the SDK's loop)."""
+        with self._level_lock:
+            if self.level != level or level >= 2 or (level == 0 and not self.progress_seen):
+                return
+            self._take_command()
+
+    def _take_command(self) -> None:
         cmd = self.inbox.peek()
         if cmd is None:
             return
@@ -351,7 +360,7 @@ class UserRun:
             try:
                 self._shared_progress()
                 self.reporter.heartbeat(step=self.step_no, phase=self.phase, loss=self.loss)
-                self._commands()
+                self._commands(level=0)
                 self._watch_progress()
             except Exception:  # never let this thread die; the facts are best effort
                 log.warning("heartbeat thread", exc_info=True)
@@ -391,7 +400,8 @@ class UserRun:
         from now on."""
         if self.level >= level:
             return
-        had_ft, self.level = self.level >= 1, level
+        with self._level_lock:
+            had_ft, self.level = self.level >= 1, level
         self._integration()
         if self.env.in_job and not had_ft:
             from trainer.liveness import FtClient, FtHeartbeats

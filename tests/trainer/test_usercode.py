@@ -132,3 +132,36 @@ def test_the_sdk_installs_as_its_own_distribution(tmp_path):
     third_party = imported - set(sys.stdlib_module_names) - {"trainer", "unbroken", "__future__"}
     assert third_party <= required, f"imported but not required: {third_party - required}"
     assert "psutil" in required
+
+
+def test_the_heartbeat_thread_leaves_a_command_to_the_full_level_once_the_rank_has_reached_it(tmp_path, monkeypatch):
+    """The heartbeat thread (Level 0) reads the level, then takes a command; the main thread can reach an
+    ``unbroken.entrypoint`` function in between. A command taken then was marked done for a peer that no
+    longer looks at its own inbox (rank 0 skipped an inject_fault aimed at rank 1: never acted on, never
+    acknowledged). It stays for the SDK's loop, which agrees on it across ranks."""
+    from trainer.config import TrainConfig
+    from trainer.reporter import NullReporter
+    from trainer.runtime import RankEnv
+    from trainer.usercode import UserRun
+
+    monkeypatch.setenv("RANK", "0")
+    env = RankEnv(initial_rank=0, world_size=2, local_rank=0, restart_count=0, store_host="127.0.0.1",
+                  app_store_port=0, wrapper_store_port=0, stores_external=False, in_job=False)
+    inject = {"id": 1, "kind": "inject_fault", "level": None, "rank": 1, "fault": "exception", "issued_at": 0.0}
+
+    def level0_run(name: str) -> UserRun:
+        (tmp_path / name).mkdir()
+        run = UserRun(cfg=TrainConfig(run_dir=str(tmp_path / name)), env=env, entrypoint="train:main",
+                      reporter=NullReporter())
+        run.inbox.offer([inject])
+        run.progress(1, None)  # a printed step: Level 0 acts on commands from here on
+        return run
+
+    still_level0 = level0_run("a")
+    still_level0._commands(level=0)
+    assert still_level0.inbox.peek() is None  # Level 0: each rank takes it (rank 1 acts and acknowledges)
+
+    moved_on = level0_run("b")
+    moved_on.upgrade(2)
+    moved_on._commands(level=0)  # the heartbeat thread, having read level 0 before the upgrade
+    assert moved_on.inbox.peek() == inject
