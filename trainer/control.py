@@ -253,7 +253,7 @@ class Control:
             # saves and returns: one that a restart cut short is posted again.
             try:
                 self.store.set(_collected_key(decision.command_id), "1")
-            except Exception:  # noqa: BLE001 - the store is gone with the attempt: rank 0 may post it again
+            except Exception:  # the store is gone with the attempt: rank 0 may post it again
                 log.warning("command %s: could not record its collection", decision.command_id, exc_info=True)
 
     def _collected_by_a_peer(self, cid: int) -> bool:
