@@ -201,6 +201,7 @@ def worker(run_dir: str, repeats: int, window: int, controls: int, gpu_repeats: 
             gpu_idle.append((_idle_s() - idle0) / (time.perf_counter() - t0))
         baseline = median(base)
         gpu_base.append(baseline)
+        cpu0 = _thread_cpu()
         t = time.perf_counter()
         if mode is not None:
             ck.save(state, step, mode=mode)
@@ -213,6 +214,9 @@ def worker(run_dir: str, repeats: int, window: int, controls: int, gpu_repeats: 
         t = time.perf_counter()
         ck.wait()  # written already (or the overlap cap was hit: the rest of the wait counts)
         waited = time.perf_counter() - t
+        cpu1 = _thread_cpu()
+        steps = len(during) + len(after)
+        gpu_thread_cpu[mode].append(({k: (cpu1[k] - cpu0.get(k, 0.0)) / steps for k in cpu1}, steps))
         gpu_parts[mode].append((call, sum(during), sum(after), waited))
         if mode == CheckpointMode.ASYNC:
             gpu_overlap.append(len(during))
@@ -221,6 +225,10 @@ def worker(run_dir: str, repeats: int, window: int, controls: int, gpu_repeats: 
     gpu_parts: dict[CheckpointMode | None, list[tuple[float, float, float, float]]] = {
         CheckpointMode.ASYNC: [], CheckpointMode.SYNC: [], None: []}
     gpu_none: list[float] = []
+    # Per save: each thread's CPU per step (this rank's threads and its child processes, the saver's),
+    # from the save call to the save written + AFTER steps, and the number of those steps.
+    gpu_thread_cpu: dict[CheckpointMode | None, list[tuple[dict[str, float], int]]] = {
+        CheckpointMode.ASYNC: [], CheckpointMode.SYNC: [], None: []}
     for i in range(gpu_repeats):
         order = ((CheckpointMode.ASYNC, gpu_async), (CheckpointMode.SYNC, gpu_sync), (None, gpu_none))
         for mode, out in order[i % 3:] + order[:i % 3]:  # each goes first as often as the others
@@ -294,6 +302,16 @@ def worker(run_dir: str, repeats: int, window: int, controls: int, gpu_repeats: 
         for mode, parts in gpu_parts.items():
             print(f"  {mode or 'none':5} parts (call, steps while written, after, wait): "
                   + "; ".join(", ".join(f"{x:.3f}" for x in p) for p in parts), flush=True)
+        # Where an async save's CPU goes: each thread's CPU per step with the save against the same steps
+        # with no save, times the steps the save spanned (rank 0; /proc, 10 ms ticks summed over the steps).
+        runs = gpu_thread_cpu[CheckpointMode.ASYNC]
+        keys = sorted({k for per_step, _ in runs for k in per_step})
+        excess = {k: median([(per_step.get(k, 0.0) - median([n.get(k, 0.0) for n, _ in gpu_thread_cpu[None]]))
+                             * n_steps for per_step, n_steps in runs]) for k in keys}
+        shown = sorted((k for k in keys if abs(excess[k]) >= 0.01), key=lambda k: -excess[k])
+        print("  async save's CPU by thread (s per save over the same steps without one; rank 0, "
+              "name:tid, child: the saver process): "
+              + ", ".join(f"{k} {excess[k]:+.3f}" for k in shown), flush=True)
         print(f"load average {os.getloadavg()}", flush=True)
         figures = {"block_ratio": a / s, "efficiency": eff, "async_total_ratio": total / s,
                    "gpu_shaped_ratio": ga / gs}
@@ -307,6 +325,39 @@ def worker(run_dir: str, repeats: int, window: int, controls: int, gpu_repeats: 
         Path(run_dir, "status").write_text(str(status))  # the parent's exit status, after torchrun's
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _thread_cpu() -> dict[str, float]:
+    """CPU seconds so far of each thread of this process (``name:tid``) and of each child process
+    (``child:name:pid``, all its threads), from /proc; empty elsewhere."""
+    tick = os.sysconf("SC_CLK_TCK")
+
+    def stat(path: str) -> tuple[str, float] | None:
+        try:
+            with open(path, encoding="utf-8", errors="replace") as f:
+                data = f.read()
+        except OSError:
+            return None
+        fields = data[data.rindex(")") + 2:].split()
+        return data[data.index("(") + 1:data.rindex(")")], (int(fields[11]) + int(fields[12])) / tick
+
+    out: dict[str, float] = {}
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return out
+    for tid in tids:
+        if (got := stat(f"/proc/self/task/{tid}/stat")) is not None:
+            out[f"{got[0]}:{tid}"] = got[1]
+        try:
+            with open(f"/proc/self/task/{tid}/children", encoding="ascii") as f:
+                children = f.read().split()
+        except OSError:
+            children = []
+        for pid in children:
+            if (got := stat(f"/proc/{pid}/stat")) is not None:
+                out[f"child:{got[0]}:{pid}"] = got[1]
+    return out
 
 
 def _idle_s() -> float:
