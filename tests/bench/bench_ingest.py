@@ -37,6 +37,7 @@ import tempfile
 import time
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -59,16 +60,20 @@ from prodshape import (
 from stats import Target, median, verdict
 
 
+def job_spec(args: argparse.Namespace) -> Any:
+    """The simulated job's spec (a ``JobSpec``: it is validated as an operator's would be)."""
+    from controlplane.jobs.spec import JobSpec
+
+    return JobSpec(procs_per_node=args.ranks, heartbeat_interval_s=1.0, step_timeout_s=args.step_timeout_s,
+                   checkpoint_timeout_s=300.0, stall_timeout_s=600.0, storm_restarts=5)
+
+
 def one_run(args: argparse.Namespace, env: dict[str, str], run_no: int, tmp: Path) -> dict:
     from django.db import connection
 
     from controlplane.jobs.models import Fault, Job, Rank
 
-    spec = {"procs_per_node": args.ranks, "heartbeat_interval_s": 1.0, "step_timeout_s": args.step_timeout_s,
-            "checkpoint_timeout_s": 300.0, "stall_timeout_s": 600.0, "storm_restarts": 5}
-    from controlplane.jobs.spec import JobSpec
-
-    job = Job(name=f"bench-ingest-{run_no}", spec=JobSpec(**spec).to_dict(), status="running")
+    job = Job(name=f"bench-ingest-{run_no}", spec=job_spec(args).to_dict(), status="running")
     token = job.issue_token()
     job.save()
     port = free_port()
@@ -136,7 +141,7 @@ def one_run(args: argparse.Namespace, env: dict[str, str], run_no: int, tmp: Pat
         stop(worker)
 
 
-def main() -> int:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description="Ingest benchmark in the production shape")
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--ranks", type=int, default=100_000)
@@ -147,14 +152,19 @@ def main() -> int:
     p.add_argument("--duration-s", type=float, default=20.0)
     p.add_argument("--warmup-s", type=float, default=3.0)
     p.add_argument("--silent-after-s", type=float, default=4.0)
-    p.add_argument("--step-timeout-s", type=float, default=10.0,
-                   help="the job's step_timeout_s (production default 30; shorter so the loss lands in the run)")
+    p.add_argument("--step-timeout-s", type=float, default=12.0,
+                   help="the job's step_timeout_s (production default 30; shorter so the loss lands in the run; "
+                        "more than the in-process layer's 10 s hard timeout, as a spec must be)")
     p.add_argument("--workers", type=int, default=2, help="uvicorn worker processes")
     p.add_argument("--celery-concurrency", type=int, default=2)
     p.add_argument("--single-ranks", type=int, default=3000,
                    help="the one-beat-per-request shape (each rank posting for itself, no node agent): ranks "
                         "beating every second, one run after the batched ones (0: skip)")
-    args = p.parse_args()
+    return p
+
+
+def main() -> int:
+    args = parser().parse_args()
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-ingest-"))
     env = bench_env(tmp)
