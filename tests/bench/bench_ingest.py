@@ -19,15 +19,16 @@ Several runs (``--runs``, default 3); each run's figures are printed, then the m
 (nearest rank) with the worst run's p99 and detection beside them, and ``n`` (runs, and requests
 measured over all runs)::
 
-    rank_heartbeats_per_s=<N> p50_ms=<X> p99_ms=<Y> worst_run_p99_ms=<W> detect_s=<Z> \
-worst_run_detect_s=<V> n_runs=<R> n_requests=<Q>
+    offered_per_s=<O> rank_heartbeats_per_s=<N> worst_run_accepted_share=<A> p50_ms=<X> p99_ms=<Y> \
+worst_run_p99_ms=<W> detect_s=<Z> worst_run_detect_s=<V> n_runs=<R> n_requests=<Q>
 
 ``rank_heartbeats_per_s`` is the beats accepted (HTTP 200) of those due in the measured window, over its
-length: 50,000 only when every offered beat was taken (a shed batch, 429, or an error lowers it; a late one
-shows in the latency, measured from when the beat was due).
+length; ``accepted_share`` the share of the beats sent in it that were accepted (a shed batch, 429, or an
+error lowers it; a late one shows in the latency, measured from when the beat was due). The silent rank's
+missing beats are not sent, so a run that takes every beat reads 49,999.6/s.
 
-Then the README row's targets beside them (rate >= 50,000/s, p99 <= 50 ms, detection <= 1 s, on the
-medians), each met or MISSED; the exit status is 1 when one is missed. A run whose silent rank was not
+Then the README row's targets beside them (offered 50,000/s with every beat accepted in every run, p99 <=
+50 ms and detection <= 1 s on the medians), each met or MISSED; the exit status is 1 when one is missed. A run whose silent rank was not
 detected gives detect_s=nan, which misses.
 """
 
@@ -126,10 +127,11 @@ def one_run(args: argparse.Namespace, env: dict[str, str], run_no: int, tmp: Pat
             time.sleep(0.1)
         rows = Rank.objects.filter(job=job).count()
         out = {
-            # Beats accepted of those due in the measured window, per second of it: the offered 50,000/s
-            # when every one is accepted (timed from the first send to the last answer instead, the rate
-            # of a run that accepted all of them fell either side of 50,000 with the last answer's latency).
+            # Beats accepted of those due in the measured window, per second of it (timed from the first
+            # send to the last answer instead, a run that took every beat read either side of 50,000 with
+            # the last answer's latency), and the share of the beats sent that were accepted.
             "rank_heartbeats_per_s": res.heartbeats_ok / args.duration_s,
+            "accepted_share": res.heartbeats_ok / max(1, res.heartbeats_sent),
             "p50_ms": res.pct(0.5) * 1e3, "p99_ms": res.pct(0.99) * 1e3, "detect_s": detect_s,
             "requests": res.sent, "ok": res.ok, "errors": res.errors, "max_sender_lag_s": res.max_lag_s,
             "false_lost": false_lost, "rank_rows": rows,
@@ -204,17 +206,23 @@ def main() -> int:
         print(f"one beat per request ({args.single_ranks} ranks, 1 s): requests_per_s={out['rank_heartbeats_per_s']:.0f} "
               f"p50_ms={out['p50_ms']:.1f} p99_ms={out['p99_ms']:.1f} errors={out['errors']} cpu_pct={out['cpu_pct']}",
               flush=True)
-    keys = ("rank_heartbeats_per_s", "p50_ms", "p99_ms", "detect_s")
+    keys = ("rank_heartbeats_per_s", "accepted_share", "p50_ms", "p99_ms", "detect_s")
     # A nan (a silent rank never detected) sorts as worst: it must not hide in a median.
     med = {k: median(r[k] for r in runs) if all(r[k] == r[k] for r in runs) else float("nan") for k in keys}
     worst_p99 = max(r["p99_ms"] for r in runs)
     worst_detect = max((r["detect_s"] for r in runs), key=lambda x: float("inf") if x != x else x)
-    print(f"rank_heartbeats_per_s={med['rank_heartbeats_per_s']:.0f} p50_ms={med['p50_ms']:.1f} "
+    offered = args.ranks / args.interval_s
+    worst_share = min(r["accepted_share"] for r in runs)
+    print(f"offered_per_s={offered:.0f} rank_heartbeats_per_s={med['rank_heartbeats_per_s']:.1f} "
+          f"worst_run_accepted_share={worst_share:.6f} p50_ms={med['p50_ms']:.1f} "
           f"p99_ms={med['p99_ms']:.1f} worst_run_p99_ms={worst_p99:.1f} detect_s={med['detect_s']:.2f} "
           f"worst_run_detect_s={worst_detect:.2f} n_runs={len(runs)} n_requests={sum(r['ok'] for r in runs)}",
           flush=True)
-    return verdict(med, [Target("rank_heartbeats_per_s", ">=", 50_000), Target("p99_ms", "<=", 50),
-                         Target("detect_s", "<=", 1.0)])
+    # The rate is held when the offered load is the target's and every run took every beat it was sent (the
+    # silent rank's missing beats are not sent: the accepted rate reads 49,999.6 with all of them taken).
+    figures = {**med, "offered_per_s": offered, "worst_run_accepted_share": worst_share}
+    return verdict(figures, [Target("offered_per_s", ">=", 50_000), Target("worst_run_accepted_share", ">=", 1.0),
+                             Target("p99_ms", "<=", 50), Target("detect_s", "<=", 1.0)])
 
 
 if __name__ == "__main__":

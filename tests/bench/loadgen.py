@@ -33,6 +33,7 @@ class LoadResult:
     ok: int = 0
     errors: dict[str, int] = field(default_factory=dict)
     heartbeats_ok: int = 0
+    heartbeats_sent: int = 0  # in the measured window (the silent rank's missing beats are not sent)
     latencies_s: list[float] = field(default_factory=list)
     due_s: list[float] = field(default_factory=list)  # each latency's scheduled send, seconds into the run
     started: float = 0.0
@@ -154,6 +155,7 @@ async def run(url: str, job_id: int, token: str, *, ranks: int = 65536, batch_si
             counted = due >= measure_from
             if counted:
                 res.sent += 1
+                res.heartbeats_sent += n_beats
             try:
                 status, _ = await conn.post(path, body)
             except Exception as e:  # noqa: BLE001 - a refused or reset connection is a result, not a crash
