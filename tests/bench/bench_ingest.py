@@ -28,8 +28,8 @@ error lowers it; a late one shows in the latency, measured from when the beat wa
 missing beats are not sent, so a run that takes every beat reads 49,999.6/s.
 
 Then the README row's targets beside them (offered 50,000/s with every beat accepted in every run, p99 <=
-50 ms and detection <= 1 s on the medians), each met or MISSED; the exit status is 1 when one is missed. A run whose silent rank was not
-detected gives detect_s=nan, which misses.
+50 ms and detection <= 1 s on the medians), each met or MISSED; the exit status is 1 when one is missed.
+A run whose silent rank was not detected gives detect_s=nan, which misses.
 """
 
 from __future__ import annotations
