@@ -28,10 +28,11 @@ def links(job: m.Job) -> schema.JobLinks:
 
 
 def _job_fields(job: m.Job) -> dict:
+    step = readouts.step_shown(job) if job.is_active else job.last_step
     return dict(
         id=job.pk, name=job.name, status=job.status, status_reason=job.status_reason, backend=job.backend,
-        attempt=job.attempt, last_step=job.last_step, steps=job.job_spec.steps,
-        progress_pct=readouts.progress_pct(job), created_at=job.created_at, started_at=job.started_at,
+        attempt=job.attempt, last_step=step, steps=job.job_spec.steps,
+        progress_pct=readouts.progress_pct(job, step), created_at=job.created_at, started_at=job.started_at,
         first_step_at=job.first_step_at, finished_at=job.finished_at, spec=job.spec, links=links(job),
     )
 

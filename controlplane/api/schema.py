@@ -149,7 +149,9 @@ class Job(Struct, kw_only=True):
     status_reason: str
     backend: str
     attempt: int
-    last_step: int
+    last_step: Annotated[int, Meta(description=(
+        "The job's current step: the highest its ranks reached within 5 s of the newest heartbeat (it "
+        "drops with a rollback); once the job is over, the last one reported."))]
     steps: int
     progress_pct: Annotated[int, Meta(ge=0, le=100)]
     created_at: Time

@@ -33,6 +33,7 @@ from controlplane.dashboard.parts import (
     timeline_part,
 )
 from controlplane.dashboard.words import fmt_s, recovery_words
+from controlplane.jobs import readouts
 from controlplane.jobs.models import Job
 from controlplane.jobs.roles import is_operator
 from controlplane.jobs.versions import runtime_versions
@@ -86,7 +87,7 @@ def jobs_live(request):
 def part_context(name: str, job: Job, request, now) -> dict:
     """The context of one part of the job page (the page includes every part; fragments one)."""
     if name == "header":
-        return {"code": code_part(job), "ran_with": runtime_versions(job)}
+        return {"code": code_part(job), "ran_with": runtime_versions(job), "step": readouts.step_shown(job)}
     if name == "actions":
         return {}
     if name == "timeline":

@@ -54,6 +54,8 @@ class HeartbeatStore(Protocol):
 
     def freshest(self, job_id: int, ranks: list[int]) -> dict[int, RankState]: ...
 
+    def live_step(self, job_id: int) -> int | None: ...
+
     def forget(self, entries: list[tuple[int, int, float]]) -> None: ...
 
     def drop_job(self, job_id: int) -> None: ...
@@ -83,6 +85,9 @@ class DbHeartbeatStore:
 
     def freshest(self, job_id: int, ranks: list[int]) -> dict[int, RankState]:
         return {}
+
+    def live_step(self, job_id: int) -> int | None:
+        return None  # the job's row is written with each beat
 
     def forget(self, entries: list[tuple[int, int, float]]) -> None:
         pass

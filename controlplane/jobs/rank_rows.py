@@ -182,6 +182,11 @@ def _upsert_values(job_id: int, rows: list[RankState], timeouts: Timeouts, now: 
             cur.execute(head + ", ".join([one] * len(part)) + _UPSERT_TAIL, params)
 
 
+# A job's current step is the highest its ranks beat within this long of the newest beat (ranks a step
+# apart, or one rank behind after a rollback, read as one step).
+LIVE_WINDOW_S = 5.0
+
+
 def first_train_at(ats: list[float], phases: list[str]) -> float | None:
     """The earliest train beat of a batch, over every beat in it (not only each rank's newest); None:
     no train beat. Both heartbeat stores fold it into the job's ``first_step_at``."""
@@ -211,7 +216,7 @@ def update_job_progress(job_id: int, states: Iterable[RankState], *, top: tuple[
     if first_train is not None:
         train.append(first_train)
     top_step, top_at, newest_at = top[0], utc(top[1]), utc(newest.at)
-    last_step = max(s.step for s in states if s.at >= newest.at - 5.0)
+    last_step = max(s.step for s in states if s.at >= newest.at - LIVE_WINDOW_S)
     fields = {
         "max_step": Case(When(max_step__lt=top_step, then=Value(top_step)), default=F("max_step")),
         "last_progress_at": Case(When(max_step__lt=top_step, then=Value(top_at)), default=F("last_progress_at")),

@@ -146,9 +146,23 @@ def checkpoint_counts(states: Iterable[str]) -> dict[str, int]:
     return counts
 
 
-def progress_pct(job: Job) -> int:
+def step_shown(job: Job) -> int:
+    """The step the job page and the API show (``Job.step_shown``). While the job runs, the Redis store's
+    step as of the newest beat: the row takes it only at the next flush, seconds later."""
+    if job.is_active:
+        try:
+            live = heartbeats.get_store().live_step(job.pk)
+        except Exception:  # noqa: BLE001 - the row is the fallback: a store hiccup must not break a reader
+            live = None
+        if live is not None:
+            return live
+    return job.step_shown
+
+
+def progress_pct(job: Job, step: int | None = None) -> int:
     steps = job.job_spec.steps
-    return min(100, round(100 * job.last_step / steps)) if steps else 0
+    step = job.last_step if step is None else step
+    return min(100, round(100 * step / steps)) if steps else 0
 
 
 def restarts_by_layer(job_ids: Iterable[int]) -> dict[int, dict[str, int]]:

@@ -8,11 +8,13 @@ ZSET, so lost-rank detection does not wait for a flush.
 
 Accepted trade-offs:
 
-- ``Rank`` rows and ``Job.last_step/max_step/last_progress_at`` (so the dashboard and stall detection)
-  lag Redis by up to one flush interval plus the flush's duration (5 s by default; a 100,000-rank
+- ``Rank`` rows and ``Job.last_step/max_step/last_progress_at`` (so stall detection and the dashboard's
+  tables) lag Redis by up to one flush interval plus the flush's duration (5 s by default; a 100,000-rank
   flush is ~1 s of CPU, paced to half duty, so ~2 s of wall time, longer under heavy load).
-  Heartbeat-lost detection does not lag: the watchdog reads deadlines from Redis and judges a rank by
-  its freshest state (``jobs.rank_health``, which the dashboard reads too) before it claims it.
+  A running job's step on its page and in the API does not lag: ``live_step`` reads it from the
+  progress hash. Heartbeat-lost detection does not lag either: the watchdog reads deadlines from Redis
+  and judges a rank by its freshest state (``jobs.rank_health``, which the dashboard reads too) before it
+  claims it.
 - ``Rank.step_changed_at`` is exact to one flush interval (the flush sees the step change, not the beat
   that made it); stall timeouts are minutes.
 - Redis runs without persistence in the reference set-up. If it restarts empty, the flushed rows remain
@@ -42,7 +44,14 @@ from controlplane.jobs.heartbeat_quarantine import (
     unchecked_state,
     why_unstorable,
 )
-from controlplane.jobs.rank_rows import RankState, Timeouts, first_train_at, update_job_progress, upsert_ranks
+from controlplane.jobs.rank_rows import (
+    LIVE_WINDOW_S,
+    RankState,
+    Timeouts,
+    first_train_at,
+    update_job_progress,
+    upsert_ranks,
+)
 from trainer import wire
 
 log = logging.getLogger(__name__)
@@ -53,7 +62,9 @@ log = logging.getLogger(__name__)
 # per rank), 4 the set of jobs with unflushed beats, 5 the set of jobs with heartbeat state.
 # ARGV: 1 job id, 2 the batch's top step, 3 when it was reached, 4 its earliest train beat ("" = none),
 # 5 the beats' ranks, 6 their ``at``s, 7 their deadlines (null = none) and 8 the beats themselves as
-# JSON arrays (the script cuts 8 into one object per beat). Eight arguments whatever the batch size:
+# JSON arrays (the script cuts 8 into one object per beat), 9 the batch's newest ``at`` and 10 the step
+# it shows (``live_step``: the job's current step before a flush writes it). Ten arguments whatever the
+# batch size:
 # packing thousands of small arguments, or one ``orjson.dumps`` per beat (~2.5 us each, against
 # ~0.3 us per beat for the whole list), cost the web process more than the script costs Redis.
 # A beat is taken only if its ``at`` is later than the stored one (and than an earlier beat of the
@@ -72,6 +83,10 @@ if ARGV[2] ~= '' then
   if not cur or tonumber(ARGV[2]) > tonumber(cur) then
     redis.call('HSET', KEYS[3], 'max_step', ARGV[2], 'progress_at', ARGV[3])
   end
+end
+local la = redis.call('HGET', KEYS[3], 'last_at')
+if not la or tonumber(ARGV[9]) >= tonumber(la) then
+  redis.call('HSET', KEYS[3], 'last_step', ARGV[10], 'last_at', ARGV[9])
 end
 if ARGV[4] ~= '' then
   local f = redis.call('HGET', KEYS[3], 'first_train_at')
@@ -215,10 +230,12 @@ class RedisHeartbeatStore:
         top_step = max(steps)
         top_at = min(a for a, st in zip(ats, steps, strict=True) if st == top_step)
         first_train = first_train_at(ats, phases)
+        newest_at = max(ats)
+        shown = max(st for a, st in zip(ats, steps, strict=True) if a >= newest_at - LIVE_WINDOW_S)
         dumps = orjson.dumps
         self._record(keys=[*self.keys(job_id), self.DIRTY, self.JOBS],
                      args=[job_id, top_step, top_at, "" if first_train is None else first_train, dumps(ranks),
-                           dumps(ats), dumps(deadlines), dumps(beats)])
+                           dumps(ats), dumps(deadlines), dumps(beats), newest_at, shown])
 
     def flush(self, *, now: datetime | None = None) -> int:
         """Write the newest states of jobs with new beats into ``Rank`` rows and the jobs' progress.
@@ -365,6 +382,13 @@ class RedisHeartbeatStore:
         for j, rows in zip(job_ids, pipe.execute(), strict=True):
             out += [(j, int(r), float(score)) for r, score in rows]
         return out
+
+    def live_step(self, job_id: int) -> int | None:
+        """The job's current step as of its newest beat (the highest step beaten within
+        ``LIVE_WINDOW_S`` of it, as the flush folds it into ``Job.last_step``); None before any beat."""
+        raw = self.redis.hget(self.keys(job_id)[2], "last_step")
+        step = int(raw) if raw is not None else None
+        return step if step is not None and 0 <= step <= wire.MAX_STEP else None
 
     def freshest(self, job_id: int, ranks: list[int]) -> dict[int, RankState]:
         out: dict[int, RankState] = {}

@@ -14,6 +14,7 @@ from datetime import datetime
 from django.db.models import Count, Max, Q
 
 from controlplane.dashboard import fleet
+from controlplane.jobs import readouts
 from controlplane.jobs.models import (
     AuditEntry,
     Checkpoint,
@@ -92,7 +93,7 @@ def job_signatures(job: Job, now: datetime) -> dict[str, str]:
     # Parts that move with time alone (goodput of a running job) refresh at most every 5 s.
     tick = int(now.timestamp() // 5) if job.is_active else 0
     return {
-        "header": _sig(status, job.last_step, tick),
+        "header": _sig(status, readouts.step_shown(job), tick),
         "actions": _sig(job.is_active, bool((job.launcher_state or {}).get("held"))),
         "timeline": _sig(status, cyc_s, flt_s, ck_s, rank_health, tuple(cmd.values()), tuple(band.values()),
                          tuple(pol.values())),

@@ -71,3 +71,27 @@ def test_it_shows_the_pages_ranks(pages):
         r = ranks[row["rank"]]
         assert (row["health"], row["step"], row["phase"], row["loss"], row["step_time_s"]) == (
             r["health"], r["step"], r["phase"], r["loss"], r["step_time_s"])
+
+
+def test_a_running_jobs_step_is_its_newest_heartbeats_on_the_page_and_in_the_api(client, post):
+    """Before any flush (the Redis store writes rows every few seconds; the CLI's bar reads this): the step
+    of the newest beats, and after a rollback the lower one."""
+    import time
+
+    from tests.controlplane.conftest import batch, hb, make_job
+
+    user = User.objects.create_user("op", password="x", is_superuser=True)
+    job, token = make_job(spec={"steps": 200, "procs_per_node": 2})
+    client.force_login(user)
+    now = time.time()
+
+    def shown():
+        api = client.get(f"/api/v1/jobs/{job.pk}").json()
+        page = client.get(f"/jobs/{job.pk}/").context
+        return api["last_step"], api["progress_pct"], page["step"]
+
+    assert shown() == (0, 0, 0)
+    assert post(job, token, batch([hb(0, 63, at=now - 2), hb(1, 62, at=now - 2)])).status_code == 200
+    assert shown() == (63, 32, 63)
+    assert post(job, token, batch([hb(0, 41, at=now), hb(1, 41, at=now)])).status_code == 200  # a rollback
+    assert shown() == (41, 20, 41)
