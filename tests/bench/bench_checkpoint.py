@@ -306,8 +306,9 @@ def worker(run_dir: str, repeats: int, window: int, controls: int, gpu_repeats: 
         # with no save, times the steps the save spanned (rank 0; /proc, 10 ms ticks summed over the steps).
         runs = gpu_thread_cpu[CheckpointMode.ASYNC]
         keys = sorted({k for per_step, _ in runs for k in per_step})
-        excess = {k: median([(per_step.get(k, 0.0) - median([n.get(k, 0.0) for n, _ in gpu_thread_cpu[None]]))
-                             * n_steps for per_step, n_steps in runs]) for k in keys}
+        no_save = {k: median([n.get(k, 0.0) for n, _ in gpu_thread_cpu[None]]) for k in keys}
+        excess = {k: median([(per_step.get(k, 0.0) - no_save[k]) * n_steps for per_step, n_steps in runs])
+                  for k in keys}
         shown = sorted((k for k in keys if abs(excess[k]) >= 0.01), key=lambda k: -excess[k])
         print("  async save's CPU by thread (s per save over the same steps without one; rank 0, "
               "name:tid, child: the saver process): "

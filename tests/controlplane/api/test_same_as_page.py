@@ -3,11 +3,14 @@ lost, detection and recovery times, the checkpoint ledger's figures, the ranks' 
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from django.contrib.auth.models import User
 
 from controlplane.dashboard import words
 from tests.controlplane.api import drill
+from tests.controlplane.conftest import batch, hb, make_job
 
 pytestmark = pytest.mark.django_db
 
@@ -76,10 +79,6 @@ def test_it_shows_the_pages_ranks(pages):
 def test_a_running_jobs_step_is_its_newest_heartbeats_on_the_page_and_in_the_api(client, post):
     """Before any flush (the Redis store writes rows every few seconds; the CLI's bar reads this): the step
     of the newest beats, and after a rollback the lower one."""
-    import time
-
-    from tests.controlplane.conftest import batch, hb, make_job
-
     user = User.objects.create_user("op", password="x", is_superuser=True)
     job, token = make_job(spec={"steps": 200, "procs_per_node": 2})
     client.force_login(user)
